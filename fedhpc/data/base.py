@@ -1,0 +1,168 @@
+"""The data interface the engine trains from.
+
+A :class:`FederatedData` knows how many clients there are and how much training
+data each holds (cheaply, for load balancing and aggregation weights), and hands
+out one :class:`ClientData` at a time, loaded lazily, so that a rank only ever
+holds the clients it trains this round. The global test set is read in slices so
+that evaluation can be sharded over ranks.
+
+Inputs may be stored compactly (uint8 images, int64 character ids); the
+``transform`` turns a *batch* on the training device into model input (scaling,
+normalisation, augmentation), so no per-sample Python work sits on the hot path.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+
+# transform(x_batch_on_device, train, generator) -> float model input
+BatchTransform = Callable[[torch.Tensor, bool, Optional[torch.Generator]], torch.Tensor]
+
+
+def default_transform(x: torch.Tensor, train: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """uint8 -> [0, 1] floats; float inputs pass through; integer ids (text) pass through."""
+    if x.dtype == torch.uint8:
+        return x.float().div_(255.0)
+    return x
+
+
+@dataclass
+class ClientData:
+    """One client's local data. ``x``/``y`` train, ``x_test``/``y_test`` its own test split."""
+
+    cid: int
+    x: torch.Tensor
+    y: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    @property
+    def num_train(self) -> int:
+        return int(self.y.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        return int(self.y_test.shape[0])
+
+
+class FederatedData(ABC):
+    """A federated dataset: clients with local train/test splits plus a global test set."""
+
+    #: registry name of the dataset
+    name: str = ""
+    #: number of output classes (vocabulary size for next-character prediction)
+    num_classes: int = 0
+    #: shape of one model input (without the batch dimension), e.g. (1, 8, 8)
+    input_shape: Tuple[int, ...] = ()
+    #: 'classification' or 'next_char' (targets are one id per sequence position)
+    task: str = "classification"
+    #: batched input transform for training / evaluation
+    transform: BatchTransform = staticmethod(default_transform)
+
+    @property
+    @abstractmethod
+    def num_clients(self) -> int: ...
+
+    @abstractmethod
+    def client_sizes(self) -> np.ndarray:
+        """Number of *training* samples of every client, shape (num_clients,), int64."""
+
+    @abstractmethod
+    def client(self, cid: int) -> ClientData:
+        """Load one client's data (CPU tensors). Called only for clients trained on this rank."""
+
+    @abstractmethod
+    def num_test(self) -> int:
+        """Size of the global test set."""
+
+    @abstractmethod
+    def test_slice(self, start: int, stop: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rows [start, stop) of the global test set (CPU tensors)."""
+
+    def default_model(self) -> str:
+        return "mlp"
+
+    def close(self) -> None:
+        """Release file handles (HDF5 stores)."""
+
+
+class ArrayFederatedData(FederatedData):
+    """In-memory federated dataset built from arrays and a partition of the training pool.
+
+    ``partition[k]`` holds the indices (into ``x_pool``) owned by client k; each
+    client's indices are split, with a seeded shuffle, into a local train part and
+    a local test part of ``client_test_fraction`` (rounded down), so both follow
+    the client's own label distribution.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        x_pool: np.ndarray,
+        y_pool: np.ndarray,
+        x_test: np.ndarray,
+        y_test: np.ndarray,
+        partition: Sequence[np.ndarray],
+        num_classes: int,
+        client_test_fraction: float = 0.2,
+        seed: int = 0,
+        transform: Optional[BatchTransform] = None,
+        default_model: str = "mlp",
+        task: str = "classification",
+    ):
+        if not 0.0 <= client_test_fraction < 1.0:
+            raise DataError(f"client_test_fraction must be in [0, 1), got {client_test_fraction}")
+        self.name = name
+        self.num_classes = int(num_classes)
+        self.task = task
+        self._x = torch.from_numpy(np.ascontiguousarray(x_pool))
+        self._y = torch.from_numpy(np.ascontiguousarray(y_pool)).long()
+        self._x_test = torch.from_numpy(np.ascontiguousarray(x_test))
+        self._y_test = torch.from_numpy(np.ascontiguousarray(y_test)).long()
+        self.input_shape = tuple(self._x.shape[1:])
+        if transform is not None:
+            self.transform = transform
+        self._default_model = default_model
+        rng = np.random.default_rng([seed, 0x5EED])
+        self._train_idx, self._test_idx = [], []
+        for cid, idx in enumerate(partition):
+            idx = np.asarray(idx, dtype=np.int64)
+            idx = idx[rng.permutation(len(idx))]
+            n_test = int(len(idx) * client_test_fraction)
+            if len(idx) - n_test < 1:
+                raise DataError(
+                    f"client {cid} has {len(idx)} samples, leaving no training data after the "
+                    f"{client_test_fraction:.0%} local test split; use fewer clients, a larger "
+                    f"Dirichlet alpha, or a smaller client_test_fraction"
+                )
+            self._test_idx.append(np.sort(idx[:n_test]))
+            self._train_idx.append(np.sort(idx[n_test:]))
+        self._sizes = np.array([len(i) for i in self._train_idx], dtype=np.int64)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._train_idx)
+
+    def client_sizes(self) -> np.ndarray:
+        return self._sizes
+
+    def client(self, cid: int) -> ClientData:
+        tr = torch.from_numpy(self._train_idx[cid])
+        te = torch.from_numpy(self._test_idx[cid])
+        return ClientData(cid, self._x[tr], self._y[tr], self._x[te], self._y[te])
+
+    def num_test(self) -> int:
+        return int(self._y_test.shape[0])
+
+    def test_slice(self, start: int, stop: int):
+        return self._x_test[start:stop], self._y_test[start:stop]
+
+    def default_model(self) -> str:
+        return self._default_model

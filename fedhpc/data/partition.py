@@ -1,0 +1,130 @@
+"""Synthetic partitions of a labelled pool over clients.
+
+Every partition assigns every sample to exactly one client (tests check this) and
+depends only on the labels, the number of clients and the seed: never on the
+number of ranks.
+
+Specs: ``iid``; ``dirichlet:ALPHA`` (per-class proportions drawn from
+Dir(ALPHA) over clients, as in FedAlign and most label-skew studies);
+``classes:K`` (every client holds K distinct classes, each class split evenly
+over the clients holding it, as in FedMix / pMixFed).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
+
+from ..errors import ConfigError, DataError
+
+PartitionFn = Callable[[np.ndarray, int, np.random.Generator, str], List[np.ndarray]]
+_PARTITIONS: Dict[str, Tuple[PartitionFn, str]] = {}
+
+
+def register_partition(name: str, help: str):
+    def deco(fn: PartitionFn) -> PartitionFn:
+        _PARTITIONS[name] = (fn, help)
+        return fn
+
+    return deco
+
+
+def partition_names() -> List[str]:
+    return sorted(_PARTITIONS)
+
+
+def partition_help() -> str:
+    return "; ".join(f"{n}{h}" for n, (_, h) in sorted(_PARTITIONS.items()))
+
+
+def parse_partition(spec: str) -> Tuple[str, str]:
+    """'dirichlet:0.5' -> ('dirichlet', '0.5'); validates the name."""
+    name, _, arg = spec.partition(":")
+    name = name.strip().lower()
+    if name not in _PARTITIONS:
+        raise ConfigError(
+            f"unknown partition {spec!r}; use one of: {partition_help()}"
+        )
+    return name, arg.strip()
+
+
+def make_partition(
+    spec: str, labels: np.ndarray, num_clients: int, seed: int, min_samples: int = 1
+) -> List[np.ndarray]:
+    """Split indices 0..len(labels)-1 over ``num_clients`` clients following ``spec``."""
+    name, arg = parse_partition(spec)
+    labels = np.asarray(labels)
+    if num_clients < 1:
+        raise ConfigError(f"num_clients must be at least 1, got {num_clients}")
+    if num_clients * min_samples > len(labels):
+        raise DataError(
+            f"{len(labels)} samples cannot give {num_clients} clients at least {min_samples} "
+            f"each; lower --num-clients"
+        )
+    rng = np.random.default_rng([seed, 0xDA7A])
+    parts = _PARTITIONS[name][0](labels, num_clients, rng, arg)
+    parts = [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+    small = [k for k, p in enumerate(parts) if len(p) < min_samples]
+    if small:
+        raise DataError(
+            f"partition {spec!r} leaves {len(small)} of {num_clients} clients with fewer than "
+            f"{min_samples} samples (e.g. client {small[0]}); use fewer clients or a milder "
+            f"skew (larger Dirichlet alpha, more classes per client)"
+        )
+    return parts
+
+
+@register_partition("iid", "")
+def _iid(labels, n, rng, arg):
+    if arg:
+        raise ConfigError(f"partition 'iid' takes no argument, got 'iid:{arg}'")
+    return np.array_split(rng.permutation(len(labels)), n)
+
+
+@register_partition("dirichlet", ":ALPHA")
+def _dirichlet(labels, n, rng, arg):
+    try:
+        alpha = float(arg)
+    except ValueError:
+        raise ConfigError(f"partition 'dirichlet:{arg}' needs a positive number, e.g. dirichlet:0.5")
+    if not alpha > 0:
+        raise ConfigError(f"Dirichlet alpha must be positive, got {alpha}")
+    parts: List[List[np.ndarray]] = [[] for _ in range(n)]
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        props = rng.dirichlet(np.full(n, alpha))
+        cuts = (np.cumsum(props)[:-1] * len(idx)).astype(np.int64)
+        for k, chunk in enumerate(np.split(idx, cuts)):
+            parts[k].append(chunk)
+    return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
+
+
+@register_partition("classes", ":K")
+def _classes(labels, n, rng, arg):
+    try:
+        k = int(arg)
+    except ValueError:
+        raise ConfigError(f"partition 'classes:{arg}' needs an integer, e.g. classes:2")
+    classes = np.unique(labels)
+    c = len(classes)
+    if not 1 <= k <= c:
+        raise ConfigError(f"classes:K needs 1 <= K <= {c} (the number of classes), got {k}")
+    if n * k < c:
+        raise DataError(
+            f"classes:{k} with {n} clients covers only {n * k} of {c} classes, so some samples "
+            f"would belong to no client; raise K or --num-clients to at least {-(-c // k)}"
+        )
+    # Deal the classes round-robin over a seeded class order: client i gets K consecutive
+    # (distinct, since K <= C) classes, and every class is held by n*K/C clients (+-1).
+    order = rng.permutation(classes)
+    holders: Dict[int, List[int]] = {int(cl): [] for cl in classes}
+    for i in range(n):
+        for j in range(k):
+            holders[int(order[(i * k + j) % c])].append(i)
+    parts: List[List[np.ndarray]] = [[] for _ in range(n)]
+    for cl, owners in holders.items():
+        idx = rng.permutation(np.flatnonzero(labels == cl))
+        for owner, chunk in zip(owners, np.array_split(idx, len(owners))):
+            parts[owner].append(chunk)
+    return [np.concatenate(p) for p in parts]

@@ -1,0 +1,56 @@
+"""Small models for the embedded digits data (and any small image input)."""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from . import register_model
+
+
+class MLP(nn.Module):
+    def __init__(self, input_shape, num_classes: int, hidden: int = 64, depth: int = 2):
+        super().__init__()
+        dims = [math.prod(input_shape)] + [hidden] * (depth - 1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(dims[:-1], dims[1:])
+        )
+        self.head = nn.Linear(dims[-1], num_classes)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+    def layers(self):
+        return [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)] + [("head", self.head)]
+
+
+class SmallCNN(nn.Module):
+    """Two 3x3 conv blocks and two fc layers; sized for 8x8 digits but works on any HxW."""
+
+    def __init__(self, input_shape, num_classes: int, width: int = 16, hidden: int = 64):
+        super().__init__()
+        c, h, w = input_shape
+        self.conv1 = nn.Sequential(nn.Conv2d(c, width, 3, padding=1), nn.ReLU())
+        self.conv2 = nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * (h // 2) * (w // 2), hidden), nn.ReLU())
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x):
+        return self.head(self.fc(self.conv2(self.conv1(x))))
+
+    def layers(self):
+        return [("conv1", self.conv1), ("conv2", self.conv2), ("fc", self.fc), ("head", self.head)]
+
+
+@register_model("mlp")
+def mlp(input_shape, num_classes, hidden: int = 64, depth: int = 2):
+    return MLP(input_shape, num_classes, hidden, depth)
+
+
+@register_model("cnn")
+def cnn(input_shape, num_classes, width: int = 16, hidden: int = 64):
+    return SmallCNN(input_shape, num_classes, width, hidden)

@@ -1,0 +1,40 @@
+"""A tiny name -> factory registry shared by algorithms, datasets and models."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Generic, TypeVar
+
+from .errors import ConfigError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: Dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        key = name.lower()
+
+        def deco(obj: T) -> T:
+            if key in self._entries:
+                raise ValueError(f"{self.kind} {name!r} registered twice")
+            self._entries[key] = obj
+            return obj
+
+        return deco
+
+    def get(self, name: str) -> T:
+        key = name.lower()
+        if key not in self._entries:
+            raise ConfigError(
+                f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}"
+            )
+        return self._entries[key]
+
+    def names(self):
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name.lower() in self._entries
