@@ -1,0 +1,225 @@
+"""The small base every algorithm overrides.
+
+A round, as the engine runs it on every rank:
+
+    round_begin(rnd)                       # collective hook: all ranks, same order
+    for cid in rnd.my_clients:             # the clients this rank trains
+        model <- global state
+        local_update(model, ctx)           # E epochs of loss(...) steps by default
+        upload(model, ctx)                 # tensors summed over clients, weighted
+    one flat all-reduce of the weighted sums (+ metrics)
+    global <- aggregate(global, totals)    # identical on every rank
+
+An algorithm overrides a few of these hooks; the defaults are FedAvg's. It may
+keep per-client state (``ctx.load_state()`` / ``ctx.save_state(obj)``), exchange
+extra data through ``self.comm`` (all_gather, all_gather_object, all_reduce_sum_)
+and count what it sends in ``ctx.ledger`` so the communication ledger stays honest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import RunConfig
+    from ..data import ClientData, FederatedData
+    from ..flat import FlatModel
+    from ..world import World
+
+
+def derive_seed(*keys: Any) -> int:
+    """A 63-bit seed from integers and strings, stable across runs, ranks and platforms."""
+    words = []
+    for k in keys:
+        if isinstance(k, str):
+            words.extend(k.encode())
+        else:
+            words.append(int(k))
+    return int(np.random.SeedSequence(words).generate_state(2, np.uint32).astype(np.uint64) @
+               np.array([1 << 31, 1], dtype=np.uint64)) & ((1 << 63) - 1)
+
+
+def task_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy for classification (B, C) and next-character prediction (B, T, V)."""
+    if logits.dim() > 2:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+    return F.cross_entropy(logits, y, reduction=reduction)
+
+
+def soft_loss(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against soft targets (mixed one-hot labels, teacher outputs)."""
+    logp = F.log_softmax(logits, dim=-1)
+    return -(target_probs * logp).sum(-1).mean()
+
+
+class CommLedger:
+    """Bytes a client sends (up) and receives (down), by kind; summed over ranks each round."""
+
+    def __init__(self, kinds: Tuple[str, ...]):
+        self.kinds = tuple(kinds)
+        self.values = torch.zeros(2 * len(self.kinds), dtype=torch.float64)
+
+    def add(self, direction: str, kind: str, nbytes: float) -> None:
+        if kind not in self.kinds:
+            raise KeyError(f"ledger kind {kind!r} is not declared in the algorithm's ledger_kinds {self.kinds}")
+        self.values[(0 if direction == "up" else 1) * len(self.kinds) + self.kinds.index(kind)] += nbytes
+
+    def reset(self) -> None:
+        self.values.zero_()
+
+    def as_metrics(self, values: torch.Tensor) -> Dict[str, float]:
+        k = len(self.kinds)
+        out = {"bytes_up": float(values[:k].sum()), "bytes_down": float(values[k:].sum())}
+        for i, kind in enumerate(self.kinds):
+            out[f"bytes_up_{kind}"] = float(values[i])
+            out[f"bytes_down_{kind}"] = float(values[k + i])
+        return out
+
+
+@dataclass
+class RoundInfo:
+    index: int                 # 0-based round number
+    sampled: List[int]         # every client sampled this round (same list on every rank)
+    my_clients: List[int]      # the sampled clients this rank trains
+    lr: float                  # client learning rate this round
+
+
+class ClientContext:
+    """Everything an algorithm sees while one client trains."""
+
+    def __init__(self, algo: "Algorithm", cid: int, data: "ClientData", rnd: RoundInfo):
+        self.algo, self.cid, self.data, self.round = algo, cid, data, rnd
+        self.cfg = algo.cfg
+        self.device = algo.device
+        self.lr = rnd.lr
+        self.ledger = algo.ledger
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=algo.device)
+        self.samples = 0
+        self.extra: Dict[str, Any] = {}
+
+    @property
+    def num_train(self) -> int:
+        return self.data.num_train
+
+    def generator(self, tag: str) -> torch.Generator:
+        """A CPU generator fixed by (seed, round, client, tag): independent of rank and order."""
+        return torch.Generator().manual_seed(derive_seed(self.cfg.seed, tag, self.round.index, self.cid))
+
+    def batches(self, epoch: int, batch_size: Optional[int] = None) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """Shuffled mini-batches (x transformed for training, y) on the device.
+
+        Order rule (tests rely on it): permutation = torch.randperm(n, generator=
+        torch.Generator().manual_seed(derive_seed(seed, "batches", round, cid, epoch))),
+        cut into consecutive chunks of batch_size, the last one possibly smaller.
+        """
+        bs = batch_size or self.cfg.batch_size
+        n = self.data.num_train
+        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "batches", self.round.index, self.cid, epoch))
+        perm = torch.randperm(n, generator=g).to(self.device)
+        aug = torch.Generator(device=self.device).manual_seed(
+            derive_seed(self.cfg.seed, "augment", self.round.index, self.cid, epoch))
+        for start in range(0, n, bs):
+            idx = perm[start: start + bs]
+            yield self.algo.data.transform(self.data.x[idx], True, aug), self.data.y[idx]
+
+    def record(self, loss: torch.Tensor, n: int) -> None:
+        """Add a mean batch loss over n samples to this client's training-loss sum."""
+        self.loss_sum += loss.detach().double() * n
+        self.samples += n
+
+    def load_state(self, default: Any = None) -> Any:
+        """This client's state from earlier rounds (whichever rank trained it), or ``default``."""
+        s = self.algo.client_state.get(self.cid)
+        return default if s is None else s
+
+    def save_state(self, state: Any) -> None:
+        self.algo.client_state.put(self.cid, state)
+
+
+class Algorithm:
+    """FedAvg's behaviour; subclasses override hooks. See the module docstring."""
+
+    name = "base"
+    #: dataclass of the algorithm's own options (flags / algo_options), or None
+    Options: Optional[type] = None
+    #: kinds of traffic this algorithm reports in the communication ledger
+    ledger_kinds: Tuple[str, ...] = ("parameters",)
+    #: whether the algorithm keeps per-client state (engine then checkpoints the store)
+    uses_client_state = False
+
+    def __init__(self, cfg: "RunConfig", options: Any, model: nn.Module, flat: "FlatModel",
+                 data: "FederatedData", comm: "World", client_state: Any):
+        self.cfg, self.options, self.model, self.flat = cfg, options, model, flat
+        self.data, self.comm, self.client_state = data, comm, client_state
+        self.device = flat.flat.device
+        self.ledger = CommLedger(self.ledger_kinds)
+        #: the global flat state that clients start from this round (set by the engine)
+        self.global_state: Optional[torch.Tensor] = None
+
+    # ---------------------------------------------------------------- round-level hooks
+    def setup(self) -> None:
+        """Called once on every rank after construction (collectives allowed)."""
+
+    def round_begin(self, rnd: RoundInfo) -> None:
+        """Called on every rank before local training (collectives allowed, e.g. mean-data exchange)."""
+
+    # ---------------------------------------------------------------- client-side hooks
+    def make_optimizer(self, model: nn.Module, ctx: ClientContext) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        if cfg.optimizer == "adam":
+            return torch.optim.Adam(model.parameters(), lr=ctx.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=ctx.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
+        """The local objective on one mini-batch."""
+        return task_loss(model(x), y)
+
+    def local_update(self, model: nn.Module, ctx: ClientContext) -> None:
+        """E epochs of mini-batch steps on ``loss``; records the training loss."""
+        opt = self.make_optimizer(model, ctx)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for epoch in range(self.cfg.local_epochs):
+            for x, y in ctx.batches(epoch):
+                opt.zero_grad(set_to_none=True)
+                loss = self.loss(model, x, y, ctx)
+                loss.backward()
+                if self.cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+                opt.step()
+                ctx.record(loss, y.shape[0])
+
+    def client_weight(self, ctx: ClientContext) -> float:
+        """Aggregation weight p_k (unnormalised): the client's number of training samples."""
+        return float(ctx.num_train)
+
+    def upload_spec(self) -> Dict[str, Tuple[int, str]]:
+        """name -> (number of elements, ledger kind) of what every client uploads."""
+        return {"params": (self.flat.numel, "parameters")}
+
+    def upload(self, model: nn.Module, ctx: ClientContext) -> Dict[str, torch.Tensor]:
+        """What this client sends; the engine adds ``client_weight * tensor`` to the round's sums."""
+        return {"params": self.flat.flat}
+
+    def download(self, ctx: ClientContext) -> None:
+        """Count what the client receives at the start of its round (the global model by default)."""
+        ctx.ledger.add("down", "parameters", self.flat.numel * self.flat.flat.element_size())
+
+    # ---------------------------------------------------------------- server-side hooks
+    def aggregate(self, global_state: torch.Tensor, totals: Dict[str, torch.Tensor],
+                  weight_total: float, rnd: RoundInfo) -> torch.Tensor:
+        """New global state from the weighted sums over this round's clients (FedAvg)."""
+        return totals["params"] / weight_total
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Server-side state to checkpoint (momentum buffers, control variates...)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,61 @@
+"""FedAvg (McMahan et al., 2017): local SGD, then the sample-weighted average of the models.
+
+All behaviour is the base class's: w <- sum_k n_k w_k / sum_k n_k over the clients
+that reported this round. Optional server learning rate / momentum (FedAvgM) are
+exposed because several of the papers' baselines use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from . import register_algorithm
+from .base import Algorithm
+
+
+@dataclass
+class FedAvgOptions:
+    #: server step size on the averaged update (1.0 = plain FedAvg)
+    server_lr: float = 1.0
+    #: server momentum on the averaged update (FedAvgM; 0 = off)
+    server_momentum: float = 0.0
+
+    def validate(self):
+        if not self.server_lr > 0:
+            raise ConfigError(f"--server-lr must be positive, got {self.server_lr}")
+        if not 0 <= self.server_momentum < 1:
+            raise ConfigError(f"--server-momentum must be in [0, 1), got {self.server_momentum}")
+
+
+@register_algorithm("fedavg")
+class FedAvg(Algorithm):
+    """Federated averaging: weighted mean of the clients' models."""
+
+    Options = FedAvgOptions
+
+    def setup(self):
+        self.options = self.options or FedAvgOptions()
+        self.server_velocity = None
+
+    def aggregate(self, global_state, totals, weight_total, rnd):
+        average = super().aggregate(global_state, totals, weight_total, rnd)
+        o = self.options
+        if o.server_lr == 1.0 and o.server_momentum == 0.0:
+            return average
+        # Treat (global - average) as a pseudo-gradient, as FedAvgM / FedOpt do.
+        delta = global_state - average
+        if o.server_momentum > 0:
+            if self.server_velocity is None:
+                self.server_velocity = torch.zeros_like(delta)
+            self.server_velocity.mul_(o.server_momentum).add_(delta)
+            delta = self.server_velocity
+        return global_state - o.server_lr * delta
+
+    def state_dict(self):
+        return {"server_velocity": self.server_velocity}
+
+    def load_state_dict(self, state):
+        self.server_velocity = state.get("server_velocity")

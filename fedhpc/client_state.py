@@ -1,0 +1,169 @@
+"""Per-client state kept across rounds (personal heads, MOON's previous model, Ditto's model...).
+
+Which rank trains a client changes from round to round, so the store tracks where
+each client's latest state lives. Because client sampling and the client-to-rank
+assignment are deterministic and replicated, every rank knows that location map
+without asking anyone; at the start of a round, states whose client moved are
+shipped from the old rank to the new one in one ``all_gather_object``.
+
+Each rank keeps its states in memory up to a byte budget (least recently used
+first out) and spills the rest to ``spill_dir/rank<r>/<cid>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .io import atomic_torch_save
+
+
+def state_nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(v) for v in obj)
+    return 64
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class ClientStateStore:
+    def __init__(self, world, budget_bytes: int, spill_dir: str):
+        self.world = world
+        self.budget = int(budget_bytes)
+        self.spill_dir = os.path.join(spill_dir, f"rank{world.rank}")
+        self.location: Dict[int, int] = {}      # cid -> rank holding its latest state (replicated)
+        self._mem: "OrderedDict[int, Any]" = OrderedDict()
+        self._mem_bytes = 0
+        self._spilled: set = set()
+        self.spills = 0
+
+    # ---------------------------------------------------------------- local access
+    def get(self, cid: int) -> Optional[Any]:
+        if cid in self._mem:
+            self._mem.move_to_end(cid)
+            return self._mem[cid]
+        if cid in self._spilled:
+            state = torch.load(self._spill_path(cid), weights_only=False)
+            self._drop_spilled(cid)
+            self._insert(cid, state)
+            return state
+        return None
+
+    def put(self, cid: int, state: Any) -> None:
+        self.pop(cid)
+        self._insert(cid, _to_cpu(state))
+
+    def pop(self, cid: int) -> Optional[Any]:
+        if cid in self._mem:
+            state = self._mem.pop(cid)
+            self._mem_bytes -= state_nbytes(state)
+            return state
+        if cid in self._spilled:
+            state = torch.load(self._spill_path(cid), weights_only=False)
+            self._drop_spilled(cid)
+            return state
+        return None
+
+    def held(self) -> List[int]:
+        return sorted(set(self._mem) | self._spilled)
+
+    def items(self) -> Iterator[Tuple[int, Any]]:
+        """All states this rank holds, one at a time (spilled ones are read, not re-cached)."""
+        for cid in self.held():
+            yield cid, (self._mem[cid] if cid in self._mem else
+                        torch.load(self._spill_path(cid), weights_only=False))
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._mem_bytes
+
+    def _insert(self, cid: int, state: Any) -> None:
+        self._mem[cid] = state
+        self._mem_bytes += state_nbytes(state)
+        while self._mem_bytes > self.budget and len(self._mem) > 1:
+            old, s = self._mem.popitem(last=False)
+            self._mem_bytes -= state_nbytes(s)
+            atomic_torch_save(s, self._spill_path(old))
+            self._spilled.add(old)
+            self.spills += 1
+
+    def _spill_path(self, cid: int) -> str:
+        return os.path.join(self.spill_dir, f"{cid}.pt")
+
+    def _drop_spilled(self, cid: int) -> None:
+        self._spilled.discard(cid)
+        try:
+            os.unlink(self._spill_path(cid))
+        except FileNotFoundError:
+            pass
+
+    # ---------------------------------------------------------------- collective steps
+    def migrate(self, assignment: Dict[int, int]) -> int:
+        """Move states so that every client in ``assignment`` (cid -> rank) is held by its rank.
+
+        Collective only when some state moves; the decision is the same on every rank.
+        Returns the number of states moved.
+        """
+        moves = {cid: (self.location[cid], dst) for cid, dst in assignment.items()
+                 if cid in self.location and self.location[cid] != dst}
+        if moves and self.world.size > 1:
+            outgoing = {cid: self.pop(cid) for cid, (src, _) in moves.items() if src == self.world.rank}
+            for parcel in self.world.all_gather_object(outgoing):
+                for cid, state in parcel.items():
+                    if moves[cid][1] == self.world.rank and state is not None:
+                        self._insert(cid, state)
+        self.location.update(assignment)
+        return len(moves)
+
+    def save_shard(self, directory: str) -> int:
+        """Write every held state to ``directory/<cid>.pt`` (bounded memory: one at a time)."""
+        os.makedirs(directory, exist_ok=True)
+        n = 0
+        for cid in self.held():
+            path = os.path.join(directory, f"{cid}.pt")
+            if cid in self._mem:
+                torch.save(self._mem[cid], path)
+            else:
+                shutil.copyfile(self._spill_path(cid), path)
+            n += 1
+        return n
+
+    def load_shards(self, shard_dirs: List[str]) -> None:
+        """Restore from checkpoint shards written by any number of ranks.
+
+        Shard s goes to rank s % world_size; the location map is rebuilt collectively.
+        """
+        self._mem.clear(); self._mem_bytes = 0
+        for cid in list(self._spilled):
+            self._drop_spilled(cid)
+        mine = []
+        for s, d in enumerate(shard_dirs):
+            if s % self.world.size != self.world.rank or not os.path.isdir(d):
+                continue
+            for fn in sorted(os.listdir(d)):
+                if fn.endswith(".pt"):
+                    cid = int(fn[:-3])
+                    self._insert(cid, torch.load(os.path.join(d, fn), weights_only=False))
+                    mine.append(cid)
+        self.location = {}
+        for r, cids in enumerate(self.world.all_gather_object(mine)):
+            self.location.update({c: r for c in cids})
+
+    def close(self) -> None:
+        shutil.rmtree(self.spill_dir, ignore_errors=True)

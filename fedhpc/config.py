@@ -1,0 +1,272 @@
+"""Typed run configuration, settable from YAML files and command-line flags.
+
+Precedence: dataclass defaults < ``--config FILE.yaml`` < command-line flags.
+The algorithm's own options (``Algorithm.Options``) are flags too (``--mu 0.01``)
+and live under ``algo_options:`` in YAML; dataset and model options live under
+``data_options:`` / ``model_options:`` (``--data-opt k=v``, ``--model-opt k=v``).
+Everything is validated before any output is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Type, get_type_hints
+
+import yaml
+
+from .errors import ConfigError
+
+
+@dataclass
+class RunConfig:
+    algo: str = field(default="fedavg", metadata={"help": "federated algorithm (see list below)"})
+    dataset: str = field(default="digits", metadata={"help": "dataset (see list below)"})
+    data_dir: str = field(default="", metadata={"help": "folder holding the real datasets in their published formats"})
+    model: str = field(default="auto", metadata={"help": "model name; 'auto' takes the dataset's default"})
+    partition: str = field(default="iid", metadata={"help": "iid | dirichlet:ALPHA | classes:K | (dataset-specific, e.g. natural)"})
+    num_clients: int = field(default=20, metadata={"help": "number of simulated clients N"})
+    clients_per_round: int = field(default=10, metadata={"help": "clients sampled per round K (1 <= K <= N)"})
+    rounds: int = field(default=20, metadata={"help": "communication rounds"})
+    local_epochs: int = field(default=1, metadata={"help": "local epochs E per round"})
+    batch_size: int = field(default=10, metadata={"help": "local mini-batch size"})
+    lr: float = field(default=0.05, metadata={"help": "client learning rate"})
+    lr_decay: float = field(default=1.0, metadata={"help": "client lr multiplied by this every round (FedMix: 0.999)"})
+    optimizer: str = field(default="sgd", metadata={"help": "local optimizer: sgd | adam"})
+    momentum: float = field(default=0.0, metadata={"help": "SGD momentum (reset every round, as clients are stateless)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "local weight decay"})
+    grad_clip: float = field(default=0.0, metadata={"help": "clip local gradient norm to this (0 = off)"})
+    client_test_fraction: float = field(default=0.2, metadata={"help": "share of each client's data kept as its local test split"})
+    seed: int = field(default=0, metadata={"help": "fixes client sampling, partitions, initialisation and batch order"})
+    out: str = field(default="", metadata={"help": "output folder (metrics.jsonl, final_model.pt, checkpoints, TensorBoard)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in --out"})
+    eval_every: int = field(default=1, metadata={"help": "evaluate the global model every N rounds (and after the last)"})
+    checkpoint_every: int = field(default=10, metadata={"help": "checkpoint every N rounds (0 = only on SIGTERM/SIGUSR1)"})
+    eval_batch_size: int = field(default=1000, metadata={"help": "batch size for evaluation"})
+    threads: int = field(default=0, metadata={"help": "torch threads per rank (0 = cores on this node / ranks on this node)"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda (one GPU per local rank)"})
+    client_state_budget_mb: float = field(default=1024.0, metadata={"help": "memory for per-client state per rank before spilling to disk"})
+    collective_timeout: float = field(default=600.0, metadata={"help": "seconds a collective waits for peers before declaring a rank dead"})
+    tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files (rank 0) under --out"})
+    quiet: bool = field(default=False, metadata={"help": "no per-round progress lines"})
+    algo_options: Dict[str, Any] = field(default_factory=dict)
+    data_options: Dict[str, Any] = field(default_factory=dict)
+    model_options: Dict[str, Any] = field(default_factory=dict)
+
+    # Fields that define *what* is computed: a checkpoint may only be resumed under the
+    # same values. The others (rounds, cadence, threads, device, out...) may change.
+    IDENTITY = (
+        "algo", "dataset", "model", "partition", "num_clients", "clients_per_round",
+        "local_epochs", "batch_size", "lr", "lr_decay", "optimizer", "momentum",
+        "weight_decay", "grad_clip", "client_test_fraction", "seed", "algo_options",
+        "data_options", "model_options",
+    )
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.num_clients >= 1, f"--num-clients must be at least 1, got {self.num_clients}")
+        need(
+            1 <= self.clients_per_round <= self.num_clients,
+            f"--clients-per-round must be between 1 and --num-clients ({self.num_clients}), "
+            f"got {self.clients_per_round}",
+        )
+        need(self.rounds >= 1, f"--rounds must be positive, got {self.rounds}")
+        need(self.local_epochs >= 1, f"--local-epochs must be positive, got {self.local_epochs}")
+        need(self.batch_size >= 1, f"--batch-size must be positive, got {self.batch_size}")
+        need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive number, got {self.lr}")
+        need(0 < self.lr_decay <= 1, f"--lr-decay must be in (0, 1], got {self.lr_decay}")
+        need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
+        need(0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
+        need(self.weight_decay >= 0, f"--weight-decay must be non-negative, got {self.weight_decay}")
+        need(self.grad_clip >= 0, f"--grad-clip must be non-negative (0 = off), got {self.grad_clip}")
+        need(0 <= self.client_test_fraction < 1, f"--client-test-fraction must be in [0, 1), got {self.client_test_fraction}")
+        need(self.eval_every >= 1, f"--eval-every must be positive, got {self.eval_every}")
+        need(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (0 = only on signals), got {self.checkpoint_every}")
+        need(self.eval_batch_size >= 1, f"--eval-batch-size must be positive, got {self.eval_batch_size}")
+        need(self.threads >= 0, f"--threads must be >= 0 (0 = automatic), got {self.threads}")
+        need(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.client_state_budget_mb > 0, "--client-state-budget-mb must be positive")
+        need(self.collective_timeout > 0, "--collective-timeout must be positive")
+        need(self.seed >= 0, f"--seed must be non-negative, got {self.seed}")
+        need(not self.resume or bool(self.out), "--resume needs --out DIR (the folder holding the checkpoints)")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def identity(self) -> Dict[str, Any]:
+        return json.loads(json.dumps({k: getattr(self, k) for k in self.IDENTITY}, default=str))
+
+
+# --------------------------------------------------------------------------- options
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to a dataclass field's type, with a clear error."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if typ in (int, float, str):
+        if typ is int and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if typ is not str and isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        try:
+            return typ(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be of type {typ.__name__}, got {value!r}")
+    return value
+
+
+def build_options(cls: Optional[Type], values: Dict[str, Any], what: str) -> Any:
+    """Instantiate an options dataclass from a dict, rejecting unknown keys."""
+    if cls is None:
+        if values:
+            raise ConfigError(f"{what} takes no options, got {sorted(values)}")
+        return None
+    hints = get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"{what} has no option(s) {unknown}; valid: {sorted(names)}")
+    opts = cls(**{k: _coerce(v, hints[k], f"{what} option {k!r}") for k, v in values.items()})
+    if hasattr(opts, "validate"):
+        opts.validate()
+    return opts
+
+
+# --------------------------------------------------------------------------- command line
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_dataclass_flags(group, cls: Type, skip=()) -> List[str]:
+    hints = get_type_hints(cls)
+    added = []
+    for f in fields(cls):
+        if f.name in skip or f.name.isupper():
+            continue
+        typ = hints[f.name]
+        if typ not in (int, float, str, bool):
+            continue
+        helptext = f.metadata.get("help", "") if f.metadata else ""
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if typ is bool:
+            group.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=f"{helptext} (default: {default})")
+        else:
+            group.add_argument(_flag(f.name), dest=f.name, type=typ, default=argparse.SUPPRESS,
+                               metavar=typ.__name__.upper(), help=f"{helptext} (default: {default})")
+        added.append(f.name)
+    return added
+
+
+def _parse_kv(items: List[str], what: str) -> Dict[str, Any]:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"{what} expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def _catalogue() -> str:
+    from .algorithms import ALGORITHMS, load_algorithm_modules
+    from .data import DATASETS, load_dataset_modules
+    from .data.partition import partition_help
+    from .models import MODELS, load_model_modules
+
+    load_algorithm_modules(); load_dataset_modules(); load_model_modules()
+    lines = ["algorithms:"]
+    for n in ALGORITHMS.names():
+        doc = (ALGORITHMS.get(n).__doc__ or "").strip().splitlines()
+        lines.append(f"  {n:14s} {doc[0] if doc else ''}")
+    lines.append("datasets:")
+    for n in DATASETS.names():
+        lines.append(f"  {n:14s} {DATASETS.get(n).help}")
+    lines.append("models: " + ", ".join(MODELS.names()))
+    lines.append("partitions: " + partition_help())
+    lines.append("Algorithm options are flags once --algo is given (try --algo fedprox --help).")
+    return "\n".join(lines)
+
+
+def load_yaml(path: str) -> Dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist; pass an existing YAML file (see launch/)")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {e}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def parse_args(argv: Optional[List[str]] = None):
+    """Parse ``argv`` into (RunConfig, algorithm options, data options). Raises ConfigError."""
+    from .algorithms import ALGORITHMS, load_algorithm_modules
+    from .data import DATASETS, load_dataset_modules
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    pre.add_argument("--algo")
+    pre.add_argument("--dataset")
+    known, _ = pre.parse_known_args(argv)
+    file_values = load_yaml(known.config) if known.config else {}
+
+    valid_keys = {f.name for f in fields(RunConfig)}
+    unknown = sorted(set(file_values) - valid_keys)
+    if unknown:
+        raise ConfigError(f"config file {known.config!r} has unknown setting(s) {unknown}; valid: {sorted(valid_keys)}")
+
+    load_algorithm_modules(); load_dataset_modules()
+    algo_name = known.algo or file_values.get("algo", RunConfig.algo)
+    data_name = known.dataset or file_values.get("dataset", RunConfig.dataset)
+    algo_cls = ALGORITHMS.get(algo_name)
+    data_spec = DATASETS.get(data_name)
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fedhpc.launch",
+        description="Simulate federated learning over MPI / torchrun / srun ranks.",
+        epilog=_catalogue(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML file of settings (flags override it)")
+    _add_dataclass_flags(parser.add_argument_group("run"), RunConfig)
+    parser.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="dataset option (repeatable)")
+    parser.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model option (repeatable)")
+    algo_flags = []
+    if algo_cls.Options is not None:
+        algo_flags = _add_dataclass_flags(parser.add_argument_group(f"{algo_name} options"), algo_cls.Options)
+    args = vars(parser.parse_args(argv))
+
+    values = dict(file_values)
+    for k in valid_keys:
+        if k in args:
+            values[k] = args[k]
+    for k in ("algo_options", "data_options", "model_options"):
+        v = values.get(k) or {}
+        if not isinstance(v, dict):
+            raise ConfigError(f"{k} must be a mapping of option: value, got {v!r}")
+        values[k] = dict(v)
+    values["algo_options"].update({k: args[k] for k in algo_flags if k in args})
+    values["data_options"].update(_parse_kv(args.get("data_opt"), "--data-opt"))
+    values["model_options"].update(_parse_kv(args.get("model_opt"), "--model-opt"))
+
+    hints = get_type_hints(RunConfig)
+    cfg = RunConfig(**{k: (_coerce(v, hints[k], _flag(k)) if hints[k] in (int, float, str, bool) else v)
+                       for k, v in values.items()})
+    cfg.validate()
+    algo_opts = build_options(algo_cls.Options, cfg.algo_options, f"algorithm {algo_name!r}")
+    data_opts = build_options(data_spec.options, cfg.data_options, f"dataset {data_name!r}")
+    return cfg, algo_opts, data_opts

@@ -1,0 +1,62 @@
+"""``python -m fedhpc.launch``: the one entry point, alone or under mpiexec / srun / torchrun."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import List, Optional
+
+from .errors import ConfigError, FedHPCError
+
+
+def _refuse_existing_run(cfg) -> None:
+    if cfg.out and not cfg.resume and os.path.isdir(cfg.out):
+        held = [f for f in ("metrics.jsonl", "checkpoints", "final_model.pt") if os.path.exists(os.path.join(cfg.out, f))]
+        if held:
+            raise ConfigError(f"--out {cfg.out} already holds a run ({', '.join(held)}); pass --resume "
+                              f"to continue it, or choose another --out")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from .config import parse_args
+
+    world = None
+    try:
+        cfg, algo_options, data_options = parse_args(argv)
+        _refuse_existing_run(cfg)
+        from .engine import EXIT_PREEMPTED, Engine, Preempted
+        from .world import World
+
+        world = World(cfg.device, cfg.threads, cfg.collective_timeout)
+        engine = Engine(cfg, algo_options, data_options, world)
+        try:
+            engine.run()
+        except Preempted as p:
+            if world.rank == 0:
+                print(f"stopped by signal after round {p.round_done}; checkpoint written to "
+                      f"{cfg.out}/checkpoints. Continue with the same command plus --resume",
+                      file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED
+        return 0
+    except FedHPCError as e:
+        # Errors from configuration, data and checkpoints are the same on every rank and
+        # NaN losses are agreed on collectively: rank 0 speaks for all.
+        if world is None or world.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        rank = world.rank if world is not None else 0
+        print(f"[rank {rank}] unexpected failure:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if world is not None:
+            world.abort(1)  # bring the other ranks down instead of leaving them in a collective
+        return 1
+    finally:
+        if world is not None:
+            world.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
