@@ -7,7 +7,7 @@ import sys
 import traceback
 from typing import List, Optional
 
-from .errors import ConfigError, FedHPCError
+from .errors import ConfigError, FedHPCError, RankFailure
 
 
 def _refuse_existing_run(cfg) -> None:
@@ -22,6 +22,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .config import parse_args
 
     world = None
+    graceful = True
     try:
         cfg, algo_options, data_options = parse_args(argv)
         _refuse_existing_run(cfg)
@@ -39,6 +40,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                       file=sys.stderr, flush=True)
             return EXIT_PREEMPTED
         return 0
+    except RankFailure as e:
+        graceful = False
+        print(f"[rank {world.rank if world else 0}] error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except FedHPCError as e:
         # Errors from configuration, data and checkpoints are the same on every rank and
         # NaN losses are agreed on collectively: rank 0 speaks for all.
@@ -48,6 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception:
+        graceful = False
         rank = world.rank if world is not None else 0
         print(f"[rank {rank}] unexpected failure:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         if world is not None:
@@ -55,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     finally:
         if world is not None:
-            world.close()
+            world.close(graceful)
 
 
 if __name__ == "__main__":

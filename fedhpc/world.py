@@ -26,7 +26,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import RankFailure
+from .errors import ConfigError, RankFailure
 
 
 def first_host(nodelist: str) -> str:
@@ -96,7 +96,7 @@ class World:
         use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
         if use_cuda:
             if not torch.cuda.is_available():
-                raise RankFailure("--device cuda was asked for but no GPU is visible; use --device cpu")
+                raise ConfigError("--device cuda was asked for but no GPU is visible; use --device cpu or auto")
             self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
@@ -164,9 +164,21 @@ class World:
         if self.size > 1:
             self._guard("barrier", dist.barrier, group=self._cpu_group)
 
-    def close(self) -> None:
-        """Destroy the process group: torch's gloo aborts at exit when it is left alive."""
+    def close(self, graceful: bool = True) -> None:
+        """Destroy the process group: torch's gloo aborts at exit when it is left alive.
+
+        ``graceful=False`` (a peer died or this rank failed alone) skips the closing barrier,
+        which would otherwise wait for a rank that will never come.
+        """
         if self.size > 1 and dist.is_initialized():
+            try:
+                if not graceful:
+                    raise RuntimeError("skip barrier")
+                # Tear down together: a rank destroying gloo while a peer still holds the
+                # connection is what makes torch 2.13 abort at exit.
+                dist.barrier()
+            except Exception:
+                pass
             try:
                 dist.destroy_process_group()
             except Exception:

@@ -8,6 +8,11 @@ Specs: ``iid``; ``dirichlet:ALPHA`` (per-class proportions drawn from
 Dir(ALPHA) over clients, as in FedAlign and most label-skew studies);
 ``classes:K`` (every client holds K distinct classes, each class split evenly
 over the clients holding it, as in FedMix / pMixFed).
+
+Exception: ``skewed:M:A:B`` / ``mix2fld`` deal *fixed counts* per client (Mix2FLD:
+"each device has two labels with 2 samples each and the other labels with 62
+each"), so they assign every sample *at most* once and leave the rest of the pool
+to no client.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def _dirichlet(labels, n, rng, arg):
     except ValueError:
         raise ConfigError(f"partition 'dirichlet:{arg}' needs a positive number, e.g. dirichlet:0.5")
     if not alpha > 0:
-        raise ConfigError(f"Dirichlet alpha must be positive, got {alpha}")
+        raise ConfigError(f"partition 'dirichlet:{arg}' needs a positive alpha (e.g. dirichlet:0.5)")
     parts: List[List[np.ndarray]] = [[] for _ in range(n)]
     for c in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == c))
@@ -128,3 +133,60 @@ def _classes(labels, n, rng, arg):
         for owner, chunk in zip(owners, np.array_split(idx, len(owners))):
             parts[owner].append(chunk)
     return [np.concatenate(p) for p in parts]
+
+
+def _parse_skewed(arg: str):
+    try:
+        m, a, b = (int(v) for v in arg.split(":"))
+    except ValueError:
+        raise ConfigError(
+            f"partition 'skewed:{arg}' needs three integers M:A:B (M minority labels per client "
+            f"with A samples each, B samples of every other label), e.g. skewed:2:2:62"
+        )
+    if m < 0 or a < 0 or b < 0 or (a == 0 and b == 0):
+        raise ConfigError(f"skewed:M:A:B needs non-negative M, A, B and not A = B = 0, got skewed:{arg}")
+    return m, a, b
+
+
+def _deal_skewed(labels, n, rng, m: int, a: int, b: int, spec: str):
+    """Every client draws M distinct minority labels (seeded, uniformly) and takes A samples
+    of each of them and B samples of every other label, without replacement from one
+    shuffled queue per label. Samples left in the queues afterwards belong to no client
+    (they are simply not used: the pool is larger than the clients' needs). If a label's
+    queue runs dry before every client got its share, DataError says so rather than
+    silently giving later clients a different distribution."""
+    classes = np.unique(labels)
+    c = len(classes)
+    if m > c:
+        raise ConfigError(f"{spec}: M = {m} minority labels but the data has only {c} labels")
+    queues = [rng.permutation(np.flatnonzero(labels == cl)) for cl in classes]
+    taken = np.zeros(c, dtype=np.int64)
+    parts: List[np.ndarray] = []
+    for i in range(n):
+        minority = set(rng.choice(c, size=m, replace=False).tolist()) if m else set()
+        mine = []
+        for j in range(c):
+            want = a if j in minority else b
+            if taken[j] + want > len(queues[j]):
+                raise DataError(
+                    f"partition {spec!r}: label {classes[j]} has {len(queues[j])} samples, not enough "
+                    f"for client {i + 1} of {n} (each takes {a} or {b}); lower --num-clients or the "
+                    f"per-label counts"
+                )
+            mine.append(queues[j][taken[j]:taken[j] + want])
+            taken[j] += want
+        parts.append(np.concatenate(mine))
+    return parts
+
+
+@register_partition("skewed", ":M:A:B")
+def _skewed(labels, n, rng, arg):
+    m, a, b = _parse_skewed(arg)
+    return _deal_skewed(labels, n, rng, m, a, b, f"skewed:{arg}")
+
+
+@register_partition("mix2fld", " (= skewed:2:2:62)")
+def _mix2fld(labels, n, rng, arg):
+    if arg:
+        raise ConfigError(f"partition 'mix2fld' takes no argument (it is skewed:2:2:62), got 'mix2fld:{arg}'")
+    return _deal_skewed(labels, n, rng, 2, 2, 62, "mix2fld")

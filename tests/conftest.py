@@ -1,0 +1,74 @@
+"""Shared helpers: run the launcher in-process or as real processes (1 rank, mpiexec, srun, torchrun)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+# Small, fast defaults for end-to-end runs on the digits data.
+FAST = ["--rounds", "4", "--num-clients", "8", "--clients-per-round", "4", "--lr", "0.1",
+        "--local-epochs", "2", "--model", "mlp", "--quiet", "--threads", "1", "--no-tensorboard"]
+
+
+def mpiexec() -> str:
+    path = os.path.join(BIN, "mpiexec")
+    return path if os.path.exists(path) else shutil.which("mpiexec")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra) -> dict:
+    """The environment without any launcher variables, so a child decides for itself."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "SLURM_", "PMIX_", "HYDRA_", "MPIR_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def launch(args, ranks: int = 1, timeout: float = 240, env=None, prefix=None) -> subprocess.CompletedProcess:
+    """Run ``python -m fedhpc.launch ARGS`` on 1 process or under ``mpiexec -n RANKS``."""
+    cmd = [sys.executable, "-m", "fedhpc.launch", *args]
+    if prefix:
+        cmd = prefix + cmd
+    elif ranks > 1:
+        cmd = [mpiexec(), "-n", str(ranks)] + cmd
+    return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def final_weights(out: str) -> dict:
+    return torch.load(os.path.join(out, "final_model.pt"))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+@pytest.fixture
+def cfg_factory():
+    """A RunConfig-like namespace for building datasets directly."""
+    def make(**kw):
+        from fedhpc.config import RunConfig
+        cfg = RunConfig(**kw)
+        cfg.validate()
+        return cfg
+    return make
+
+
+def ns(**kw):
+    return SimpleNamespace(**kw)

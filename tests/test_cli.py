@@ -1,0 +1,111 @@
+"""Configuration from flags and YAML, --help, and every bad input named in the foundation issue."""
+
+import os
+
+import pytest
+import yaml
+
+from fedhpc.config import parse_args
+from fedhpc.errors import ConfigError
+from fedhpc.launch import main
+
+
+def run_main(argv, capsys):
+    code = main(argv)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_yaml_then_flags_override(tmp_path):
+    cfgfile = tmp_path / "x.yaml"
+    cfgfile.write_text(yaml.safe_dump({"algo": "fedprox", "rounds": 7, "lr": 0.2,
+                                       "algo_options": {"mu": 0.3}, "data_options": {"test_fraction": 0.3}}))
+    cfg, algo_opts, data_opts = parse_args(["--config", str(cfgfile), "--lr", "0.05", "--mu", "0.4"])
+    assert (cfg.algo, cfg.rounds, cfg.lr) == ("fedprox", 7, 0.05)
+    assert algo_opts.mu == 0.4 and data_opts.test_fraction == 0.3
+    cfg, algo_opts, _ = parse_args(["--config", str(cfgfile)])
+    assert algo_opts.mu == 0.3 and cfg.lr == 0.2
+
+
+def test_shipped_yaml_files_parse():
+    launch_dir = os.path.join(os.path.dirname(__file__), "..", "launch")
+    files = [f for f in os.listdir(launch_dir) if f.endswith(".yaml")]
+    assert files
+    for f in files:
+        cfg = yaml.safe_load(open(os.path.join(launch_dir, f)))
+        assert isinstance(cfg, dict) and "algo" in cfg, f
+
+
+def test_help_lists_algorithms_and_datasets(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("fedavg", "fedprox", "digits", "dirichlet:ALPHA", "classes:K", "--clients-per-round"):
+        assert name in out
+
+
+def test_algorithm_options_appear_once_algo_is_given(capsys):
+    with pytest.raises(SystemExit):
+        main(["--algo", "fedprox", "--help"])
+    assert "--mu" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needle,fix", [
+    (["--algo", "fedmagic"], "unknown algorithm 'fedmagic'", "fedavg"),
+    (["--dataset", "mnist-ish"], "unknown dataset 'mnist-ish'", "digits"),
+    (["--clients-per-round", "30", "--num-clients", "20"], "--clients-per-round", "between 1 and"),
+    (["--clients-per-round", "0"], "--clients-per-round", "between 1 and"),
+    (["--rounds", "0"], "--rounds must be positive", "got 0"),
+    (["--rounds", "-3"], "--rounds must be positive", "got -3"),
+    (["--lr", "0"], "--lr must be a positive number", "got 0"),
+    (["--lr", "-0.1"], "--lr must be a positive number", "got -0.1"),
+    (["--lr", "nan"], "--lr must be a positive number", "nan"),
+    (["--partition", "dirichlet:zero"], "dirichlet", "e.g. dirichlet:0.5"),
+    (["--partition", "halves"], "unknown partition", "iid"),
+    (["--num-clients", "2000", "--clients-per-round", "5"], "clients", "--num-clients"),
+    (["--partition", "dirichlet:0.001", "--num-clients", "200", "--clients-per-round", "5"], "partition", "milder"),
+    (["--model", "transformer9000"], "unknown model", "mlp"),
+    (["--algo", "fedprox", "--mu", "-1"], "--mu must be non-negative", "-1"),
+    (["--resume"], "--resume needs --out", "--out"),
+    (["--model-opt", "depthh=3"], "has no option(s) ['depthh']", "hidden"),
+])
+def test_bad_input_names_problem_and_fix_and_writes_nothing(tmp_path, capsys, argv, needle, fix):
+    out = tmp_path / "out"
+    args = argv + (["--out", str(out)] if "--resume" not in argv else []) + ["--quiet", "--no-tensorboard"]
+    code, _, err = run_main(args, capsys)
+    assert code == 2, err
+    assert err.startswith("error: ") and needle in err and fix in err, err
+    assert "Traceback" not in err
+    assert not out.exists(), "no output may be written for a refused configuration"
+
+
+def test_missing_and_malformed_config_files(tmp_path, capsys):
+    code, _, err = run_main(["--config", str(tmp_path / "nope.yaml")], capsys)
+    assert code == 2 and "does not exist" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1, 2\n")
+    code, _, err = run_main(["--config", str(bad)], capsys)
+    assert code == 2 and "not valid YAML" in err
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("roundz: 3\n")
+    code, _, err = run_main(["--config", str(typo)], capsys)
+    assert code == 2 and "unknown setting(s) ['roundz']" in err
+    wrongtype = tmp_path / "type.yaml"
+    wrongtype.write_text("rounds: many\n")
+    code, _, err = run_main(["--config", str(wrongtype)], capsys)
+    assert code == 2 and "--rounds must be of type int" in err
+
+
+def test_nan_loss_stops_and_keeps_earlier_output(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run_main(["--lr", "1e30", "--rounds", "3", "--num-clients", "4", "--clients-per-round", "2",
+                             "--out", str(out), "--quiet", "--no-tensorboard", "--model", "mlp"], capsys)
+    assert code == 3
+    assert "NaN or infinite" in err and "lower --lr" in err
+    assert not (out / "final_model.pt").exists()
+
+
+def test_config_error_type_is_user_facing():
+    with pytest.raises(ConfigError):
+        parse_args(["--batch-size", "0"])

@@ -1,0 +1,142 @@
+"""In-process checks of the round loop against independent computations."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedhpc.algorithms.base import derive_seed, task_loss
+from fedhpc.config import RunConfig
+from fedhpc.engine import Engine, assign_clients, sample_clients
+from fedhpc.errors import NonFiniteLossError
+from fedhpc.models import build_model
+from fedhpc.world import World
+
+
+def make_engine(algo_options=None, **kw):
+    cfg = RunConfig(**{"quiet": True, "tensorboard": False, "model": "mlp", **kw})
+    cfg.validate()
+    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+    from fedhpc.config import build_options
+    load_algorithm_modules()
+    opts = build_options(ALGORITHMS.get(cfg.algo).Options, algo_options or {}, cfg.algo)
+    return Engine(cfg, opts, None, World(threads=1))
+
+
+def test_fedavg_one_client_full_participation_is_centralized_sgd():
+    rounds, epochs, lr, decay, bs, seed = 3, 2, 0.05, 0.8, 16, 7
+    eng = make_engine(num_clients=1, clients_per_round=1, rounds=rounds, local_epochs=epochs,
+                      lr=lr, lr_decay=decay, batch_size=bs, seed=seed, client_test_fraction=0.0)
+    data = eng.data.client(0)
+    eng.run()
+
+    # Independent loop: plain SGD over the same data, the documented batch order, lr decay per round.
+    torch.manual_seed(derive_seed(seed, "init"))
+    model = build_model("mlp", eng.data.input_shape, 10)
+    for t in range(rounds):
+        opt = torch.optim.SGD(model.parameters(), lr=lr * decay ** t)
+        for e in range(epochs):
+            g = torch.Generator().manual_seed(derive_seed(seed, "batches", t, 0, e))
+            perm = torch.randperm(data.num_train, generator=g)
+            for s in range(0, data.num_train, bs):
+                idx = perm[s:s + bs]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
+                opt.step()
+    central = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    fed = eng.global_state[: central.numel()]
+    assert torch.allclose(fed, central, atol=1e-6, rtol=0), float((fed - central).abs().max())
+    # and training did something
+    torch.manual_seed(derive_seed(seed, "init"))
+    init = torch.cat([p.detach().reshape(-1) for p in build_model("mlp", eng.data.input_shape, 10).parameters()])
+    assert (central - init).abs().max() > 1e-3
+
+
+def test_fedavg_aggregate_is_weighted_mean_of_client_models():
+    eng = make_engine(num_clients=6, clients_per_round=3, rounds=1, seed=3, lr=0.1)
+    start = eng.global_state.clone()
+    sampled = sample_clients(3, 0, 6, 3)
+    # Train each sampled client by hand from the same start through the algorithm's own hook.
+    from fedhpc.algorithms import ClientContext, RoundInfo
+    rnd = RoundInfo(0, sampled, sampled, 0.1)
+    eng.algo.global_state = start
+    models, weights = [], []
+    for cid in sampled:
+        torch.manual_seed(derive_seed(3, "client", 0, cid))
+        eng.flat.load_(start)
+        ctx = ClientContext(eng.algo, cid, eng.data.client(cid), rnd)
+        eng.algo.local_update(eng.model, ctx)
+        models.append(eng.flat.flat.clone().double())
+        weights.append(eng.data.client(cid).num_train)
+    expected = sum(w * m for w, m in zip(weights, models)) / sum(weights)
+    eng.flat.load_(start)
+    eng.global_state = start.clone()
+    eng.run_round(0)
+    assert torch.allclose(eng.global_state.double(), expected, atol=1e-6)
+
+
+def test_fedprox_mu_zero_equals_fedavg_and_mu_positive_differs():
+    common = dict(num_clients=6, clients_per_round=3, rounds=3, seed=11, lr=0.1, local_epochs=2)
+    fedavg = make_engine(algo="fedavg", **common); fedavg.run()
+    prox0 = make_engine(algo="fedprox", algo_options={"mu": 0.0}, **common); prox0.run()
+    prox1 = make_engine(algo="fedprox", algo_options={"mu": 1.0}, **common); prox1.run()
+    assert torch.equal(fedavg.global_state, prox0.global_state)
+    assert (fedavg.global_state - prox1.global_state).abs().max() > 1e-4
+
+
+def test_fedprox_gradient_of_proximal_term_is_closed_form():
+    from fedhpc.algorithms.fedprox import proximal_term
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    anchor = [p.detach() + 0.1 * torch.randn_like(p) for p in model.parameters()]
+    mu = 0.37
+    proximal_term(model, anchor, mu).backward()
+    for p, a in zip(model.parameters(), anchor):
+        assert torch.allclose(p.grad, mu * (p.detach() - a), atol=1e-6)
+
+
+def test_sampling_is_seeded_and_rank_independent():
+    a = [sample_clients(5, t, 100, 10) for t in range(20)]
+    b = [sample_clients(5, t, 100, 10) for t in range(20)]
+    assert a == b
+    assert all(len(set(s)) == 10 and all(0 <= c < 100 for c in s) for s in a)
+    assert len({tuple(s) for s in a}) > 15  # rounds differ
+    assert sample_clients(6, 0, 100, 10) != a[0]
+    # uniform: every client is sampled about equally often over many rounds
+    counts = np.bincount(np.concatenate([sample_clients(1, t, 20, 5) for t in range(4000)]), minlength=20)
+    assert counts.min() > 0.9 * 1000 and counts.max() < 1.1 * 1000
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_assignment_covers_sampled_and_balances_load(world):
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(5, 500, size=200)
+    sampled = sample_clients(0, 0, 200, 40)
+    a = assign_clients(sampled, sizes, world)
+    assert sorted(a) == sampled and set(a.values()) <= set(range(world))
+    loads = [sum(sizes[c] for c in a if a[c] == r) for r in range(world)]
+    # greedy largest-first: no rank exceeds the ideal share by more than one client
+    assert max(loads) - sum(loads) / world <= max(sizes[c] for c in sampled)
+
+
+def test_nan_loss_stops_with_a_clear_message():
+    eng = make_engine(num_clients=4, clients_per_round=2, rounds=3, lr=1e30)
+    with pytest.raises(NonFiniteLossError) as e:
+        eng.run()
+    msg = str(e.value)
+    assert "NaN or infinite" in msg and "--lr" in msg and "round 1" in msg
+
+
+def test_flat_model_round_trip_and_state_dict():
+    eng = make_engine(num_clients=4, clients_per_round=2, rounds=1)
+    v = torch.randn(eng.flat.numel)
+    eng.flat.load_(v)
+    got = torch.cat([p.detach().reshape(-1) for p in eng.model.parameters()])
+    assert torch.equal(got, v[: got.numel()])
+    sd = eng.flat.state_dict_from(v)
+    assert set(sd) == set(eng.model.state_dict())
+    fresh = build_model("mlp", eng.data.input_shape, 10)
+    fresh.load_state_dict(sd)
+    x = torch.randn(3, 1, 8, 8)
+    assert torch.allclose(fresh(x), eng.model(x))
