@@ -111,11 +111,11 @@ class Engine:
         if algo.uses_client_state:
             self.client_state.migrate(assignment)
         algo.global_state = self.global_state
+        algo.ledger.reset()  # before round_begin: traffic booked during its exchanges counts
         algo.round_begin(rnd)
 
         buf = self.round_buffer
         buf.zero_()
-        algo.ledger.reset()
         nonfinite: List[int] = []
         self.model.train()
         for cid in mine:
