@@ -1,0 +1,393 @@
+"""FedMix and the MAFL family: the losses, their second-order term, text mixing, the ledger,
+and a privacy audit of the traffic of whole runs.
+
+Expected values are computed independently here (per-sample loops, finite
+differences, explicit pairwise mixup), never by the function under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedhpc.algorithms.base import soft_loss
+from fedhpc.algorithms.mixing import (MixSpace, fedmix_loss, global_mixup_loss, mixup_loss,
+                                      naivemix_loss, one_hot)
+
+# float(loss) on graph-carrying losses is intended here (values only).
+pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
+
+
+
+def smooth_net(d=12, c=4, seed=0):
+    """A float64 tanh MLP: smooth in inputs and weights, so Taylor and finite differences are clean."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, c)).double()
+
+
+def batch(b=6, m=5, d=12, c=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(b, d, generator=g, dtype=torch.float64)
+    y = one_hot(torch.randint(c, (b,), generator=g), c, torch.float64)
+    xs = torch.rand(m, d, generator=g, dtype=torch.float64) + 0.5  # another client's raw samples
+    ys = one_hot(torch.randint(c, (m,), generator=g), c, torch.float64)
+    return x, y, xs, ys
+
+
+# --------------------------------------------------------------------------- l3 is second order
+
+def test_l3_is_the_input_gradient_of_the_loss_per_sample():
+    net = smooth_net()
+    x, y, xs, ys = batch()
+    xbar, ybar = xs.mean(0, keepdim=True), ys.mean(0, keepdim=True)
+    lam = 0.2
+    _, terms = fedmix_loss(net, x, y, xbar, ybar, lam, return_terms=True)
+    ref = 0.0
+    for i in range(x.shape[0]):  # l3 = lam * mean_i <dL_i/dx at ((1-lam) x_i, y_i), xbar>
+        xi = ((1 - lam) * x[i:i + 1]).requires_grad_(True)
+        li = -(y[i] * torch.log_softmax(net(xi), -1)).sum()
+        (gi,) = torch.autograd.grad(li, xi)
+        ref += float((gi * xbar).sum()) / x.shape[0]
+    assert math.isclose(terms["l3"].item(), lam * ref, rel_tol=1e-10)
+    assert math.isclose(terms["l1"].item(), (1 - lam) * soft_loss(net((1 - lam) * x), y).item(), rel_tol=1e-12)
+    assert math.isclose(terms["l2"].item(), lam * soft_loss(net((1 - lam) * x), ybar).item(), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("model", ["tanh_mlp", "digits_cnn"])
+def test_l3_weight_gradient_is_nonzero_and_matches_finite_differences(model):
+    if model == "tanh_mlp":
+        net = smooth_net()
+        x, y, xs, ys = batch()
+    else:  # the registry's ReLU CNN on 8x8 inputs, in float64
+        from fedhpc.models import build_model
+        torch.manual_seed(0)
+        net = build_model("cnn", (1, 8, 8), 10).double()
+        g = torch.Generator().manual_seed(2)
+        x, xs = torch.rand(4, 1, 8, 8, generator=g).double(), torch.rand(7, 1, 8, 8, generator=g).double()
+        y = one_hot(torch.randint(10, (4,), generator=g), 10, torch.float64)
+        ys = one_hot(torch.randint(10, (7,), generator=g), 10, torch.float64)
+    xbar, ybar = xs.mean(0, keepdim=True), ys.mean(0, keepdim=True)
+    lam = 0.1
+    params = list(net.parameters())
+
+    def l3():
+        return fedmix_loss(net, x, y, xbar, ybar, lam, return_terms=True)[1]["l3"]
+
+    grads = torch.autograd.grad(l3(), params)
+    gnorm = float(torch.sqrt(sum((g ** 2).sum() for g in grads)))
+    assert gnorm > 1e-4, "l3 does not move the weights (create_graph missing?)"
+
+    gen = torch.Generator().manual_seed(5)
+    direction = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+    analytic = float(sum((g * v).sum() for g, v in zip(grads, direction)))
+    eps = 1e-6
+    with torch.no_grad():
+        for p, v in zip(params, direction):
+            p.add_(eps * v)
+    plus = l3().item()
+    with torch.no_grad():
+        for p, v in zip(params, direction):
+            p.sub_(2 * eps * v)
+    minus = l3().item()
+    with torch.no_grad():
+        for p, v in zip(params, direction):
+            p.add_(eps * v)
+    numeric = (plus - minus) / (2 * eps)
+    assert abs(analytic) > 1e-5
+    assert math.isclose(analytic, numeric, rel_tol=1e-5, abs_tol=1e-9), (analytic, numeric)
+
+    # l3's gradient is part of the total: the gradient of l1 + l2 alone differs by exactly it.
+    total, terms = fedmix_loss(net, x, y, xbar, ybar, lam, return_terms=True)
+    g_total = torch.autograd.grad(total, params, retain_graph=True)
+    g_12 = torch.autograd.grad(terms["l1"] + terms["l2"], params)
+    diff = sum(float(((a - b - c) ** 2).sum()) for a, b, c in zip(g_total, g_12, grads))
+    assert diff < 1e-20 + 1e-12 * gnorm ** 2
+
+
+# --------------------------------------------------------------------------- FedMix ~ global mixup
+
+def test_fedmix_matches_global_mixup_to_second_order():
+    net = smooth_net(seed=3)
+    x, y, xs, ys = batch(seed=4)
+    xbar, ybar = xs.mean(0, keepdim=True), ys.mean(0, keepdim=True)
+    lams = [0.08 / 2 ** k for k in range(5)]
+
+    def gap(loss_fn, lam):
+        return abs(float(loss_fn(lam)) - float(global_mixup_loss(net, x, y, xs, ys, lam)))
+
+    def fedmix(lam):
+        return fedmix_loss(net, x, y, xbar, ybar, lam)
+
+    def fedmix_without_l3(lam):  # the public-reimplementation bug: l3 contributes nothing
+        _, t = fedmix_loss(net, x, y, xbar, ybar, lam, return_terms=True)
+        return t["l1"] + t["l2"]
+
+    gaps = [gap(fedmix, lam) for lam in lams]
+    ratios = [a / b for a, b in zip(gaps, gaps[1:])]
+    assert all(3.4 < r < 4.6 for r in ratios), ratios            # halving lambda quarters the gap
+    over_sq = [g / lam ** 2 for g, lam in zip(gaps, lams)]
+    assert max(over_sq) < 1.5 * min(over_sq)                      # gap / lambda^2 stays bounded
+    over_lin = [g / lam for g, lam in zip(gaps, lams)]
+    assert over_lin[-1] < over_lin[0] / 10                         # gap / lambda does not
+    # Control: dropping l3 leaves a first-order error (the gap only halves), so the test can fail.
+    bad = [gap(fedmix_without_l3, lam) for lam in lams]
+    assert all(1.7 < a / b < 2.3 for a, b in zip(bad, bad[1:]))
+    assert bad[-1] > 10 * gaps[-1]
+
+
+def test_mixup_losses_are_the_two_point_formulas():
+    net = smooth_net()
+    x, y, xs, ys = batch(m=6)
+    lam = 0.3
+    # Explicit soft-label cross-entropy of the mixed pair, sample by sample.
+    ref = 0.0
+    for i in range(6):
+        xm = (1 - lam) * x[i] + lam * xs[i]
+        ym = (1 - lam) * y[i] + lam * ys[i]
+        ref -= float((ym * torch.log_softmax(net(xm[None]), -1)[0]).sum()) / 6
+    assert math.isclose(float(mixup_loss(net, x, y, xs, ys, lam)), ref, rel_tol=1e-12)
+    assert math.isclose(float(naivemix_loss(net, x, y, xs, ys, lam)), ref, rel_tol=1e-12)
+    # Global mixup over J with |J| = 1 is the two-point mixup.
+    assert math.isclose(float(global_mixup_loss(net, x[:1], y[:1], xs[:1], ys[:1], lam)),
+                        float(mixup_loss(net, x[:1], y[:1], xs[:1], ys[:1], lam)), rel_tol=1e-12)
+
+
+# --------------------------------------------------------------------------- text: embedding space
+
+class TinyCharLSTM(nn.Module):
+    def __init__(self, vocab=7, dim=5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.rnn = nn.LSTM(dim, 8, batch_first=True)
+        self.out = nn.Linear(8, vocab)
+
+    def embed(self, ids):
+        return self.emb(ids)
+
+    def forward_embedded(self, e):
+        return self.out(self.rnn(e)[0])
+
+    def forward(self, ids):
+        return self.forward_embedded(self.embed(ids))
+
+
+def text_data(n=30, t=6, v=7, clients=3):
+    from fedhpc.data import ArrayFederatedData
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, v, size=(n, t))
+    y = np.roll(x, -1, axis=1)
+    parts = np.array_split(np.arange(n), clients)
+    return ArrayFederatedData("toytext", x, y, x[:4], y[:4], parts, num_classes=v,
+                              client_test_fraction=0.0, task="next_char")
+
+
+def test_text_means_are_mean_one_hot_and_mix_as_mean_embeddings():
+    from fedhpc.mean_data import MeanDataOptions, exchange_means
+
+    class OneRank:
+        rank, size = 0, 1
+
+        def all_gather(self, t):
+            return [t]
+
+    data = text_data()
+    md = exchange_means(data, OneRank(), MeanDataOptions(), seed=0, refresh=0)
+    assert md.x.shape == (3, 6, 7) and md.y.shape == (3, 6, 7)
+    torch.manual_seed(0)
+    model = TinyCharLSTM().double()
+    space = MixSpace("next_char", 7)
+    space.check(model)
+    for cid in range(3):
+        c = data.client(cid)
+        freq = torch.stack([torch.bincount(c.x[:, p], minlength=7) for p in range(6)]).double() / c.num_train
+        assert torch.allclose(md.x[cid].double(), freq, atol=1e-7)
+        mean_emb = model.embed(c.x).mean(0)                     # what FedMix wants to mix with
+        assert torch.allclose(space.lift_means(model, md.x[cid:cid + 1].double())[0], mean_emb, atol=1e-6)
+    # FedMix in embedding space: l3 moves every parameter, the embedding table included.
+    c = data.client(0)
+    xin = space.lift(model, c.x)
+    total = fedmix_loss(space.f(model), xin, space.labels(c.y, torch.float64),
+                        space.lift_means(model, md.x[1:2].double()), md.y[1:2].double(), 0.1)
+    grads = torch.autograd.grad(total, list(model.parameters()))
+    assert all(float(g.abs().sum()) > 0 for g in grads)
+    with pytest.raises(Exception, match="embed"):
+        MixSpace("next_char", 7).check(nn.Linear(3, 3))
+
+
+# --------------------------------------------------------------------------- engine runs
+
+def make_engine(algo, rounds=2, partition="classes:2", **algo_options):
+    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+    from fedhpc.config import RunConfig, build_options
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    load_algorithm_modules()
+    cfg = RunConfig(algo=algo, dataset="digits", num_clients=8, clients_per_round=3, rounds=rounds,
+                    partition=partition, model="mlp", lr=0.1, quiet=True, tensorboard=False,
+                    threads=1, seed=1, algo_options=algo_options)
+    cfg.validate()
+    opts = build_options(ALGORITHMS.get(algo).Options, algo_options, algo)
+    world = World("cpu", threads=1)
+    return Engine(cfg, opts, None, world)
+
+
+def test_ledger_counts_mean_data_and_raw_samples():
+    eng = make_engine("fedmix")
+    entry = (64 + 10) * 4  # float32 input mean + label mean
+    n = eng.data.num_clients
+    m1, m2 = eng.run_round(0), eng.run_round(1)
+    assert m1["bytes_up_mean_data"] == n * entry and m2["bytes_up_mean_data"] == 0  # sent once
+    assert m1["bytes_down_mean_data"] == m2["bytes_down_mean_data"] == 3 * (n - 1) * entry
+    assert m1["bytes_up_parameters"] == 3 * eng.flat.numel * 4
+
+    with pytest.warns(UserWarning, match="VIOLATES PRIVACY"):
+        eng = make_engine("globalmix")
+    sizes = eng.data.client_sizes()
+    per_sample = 64 * 4 + 8  # float32 pixels as stored + an int64 label
+    m1, m2 = eng.run_round(0), eng.run_round(1)
+    assert m1["bytes_up_raw_samples"] == int(sizes.sum()) * per_sample and m2["bytes_up_raw_samples"] == 0
+    from fedhpc.engine import sample_clients
+    sampled = sample_clients(1, 1, n, 3)
+    assert m2["bytes_down_raw_samples"] == sum(int(sizes.sum() - sizes[c]) for c in sampled) * per_sample
+
+
+def run_audited(algo, mk, **algo_options):
+    """Run 2 rounds; capture every tensor a client hands over: its uploads and its collective rows."""
+    from fedhpc.mean_data import audit_traffic
+
+    eng = make_engine(algo, **algo_options)
+    gathered, uploads = [], []
+    world_gather, algo_upload = eng.world.all_gather, eng.algo.upload
+
+    def spy_gather(t):
+        gathered.append(t.detach().clone())
+        return world_gather(t)
+
+    def spy_upload(model, ctx):
+        out = algo_upload(model, ctx)
+        uploads.extend((k, v.detach().clone()) for k, v in out.items())
+        return out
+
+    eng.world.all_gather, eng.algo.upload = spy_gather, spy_upload
+    with audit_traffic() as audit:
+        eng.run()
+    return eng, gathered, uploads, audit.records
+
+
+def audit_violations(eng, gathered, uploads, records, mk):
+    """Everything a client sends must be a parameter tensor or an average of >= M_k of its samples."""
+    bad = []
+    for name, t in uploads:
+        if name != "params" or t.numel() != eng.flat.numel:
+            bad.append(f"upload {name} of {t.numel()} values is not the parameter vector")
+    by_row = {}
+    for rec in records:
+        by_row.setdefault(rec.row.double().numpy().tobytes(), rec)
+    dx = 64
+    for t in gathered:
+        for row in t.reshape(t.shape[0], -1):
+            rec = by_row.get(row.double().cpu().numpy().tobytes())
+            if rec is None:
+                bad.append("a collective row with no record of its origin")
+                continue
+            if len(rec.sources) < mk:
+                bad.append(f"client {rec.cid} sent {rec.kind} built from {len(rec.sources)} sample(s) < M_k={mk}")
+                continue
+            c = eng.data.client(rec.cid)
+            recomputed = eng.data.transform(c.x[torch.as_tensor(rec.sources)], False, None).double().mean(0)
+            if not torch.allclose(row[:dx].double(), recomputed.flatten(), atol=1e-6):
+                bad.append(f"client {rec.cid}: row is not the mean of its recorded samples")
+    return bad
+
+
+def test_privacy_audit_fedmix_passes_and_globalmix_fails():
+    mk = 5
+    eng, gathered, uploads, records = run_audited("fedmix", mk, mean_batch=mk)
+    assert len(uploads) == 2 * 3 and len(gathered) >= 1
+    n_rows = sum(t.shape[0] for t in gathered)
+    assert n_rows == sum(int(n) // mk for n in eng.data.client_sizes())  # every mean was inspected
+    assert audit_violations(eng, gathered, uploads, records, mk) == []
+
+    with pytest.warns(UserWarning, match="VIOLATES PRIVACY"):
+        eng, gathered, uploads, records = run_audited("globalmix", mk)
+    bad = audit_violations(eng, gathered, uploads, records, mk)
+    assert bad and all("raw_samples built from 1 sample(s)" in b for b in bad)
+    assert len(bad) == 2 * int(eng.data.client_sizes().sum())  # every input row and label row
+
+
+def test_fedmix_and_naivemix_train_on_digits():
+    """End to end: both improve on the untrained model within a few rounds (per-sample selection too)."""
+    for algo, extra in (("fedmix", {"lam": 0.1, "select": "sample"}), ("naivemix", {"prox_mu": 0.01})):
+        eng = make_engine(algo, rounds=6, partition="iid", **extra)
+        before = eng.evaluate()["test_accuracy"]
+        after = eng.run()["test_accuracy"]
+        assert after > before + 0.15, (algo, before, after)
+
+
+@pytest.mark.parametrize("algo", ["fedmix", "naivemix", "localmix", "globalmix"])
+def test_algorithms_train_lstm_char_on_text_in_embedding_space(algo, recwarn):
+    """The hooks end to end on next-character data with the registry's lstm_char."""
+    from fedhpc.algorithms import ALGORITHMS, ClientContext, RoundInfo, load_algorithm_modules
+    from fedhpc.config import RunConfig, build_options
+    from fedhpc.flat import FlatModel
+    from fedhpc.models import build_model
+
+    class OneRank:
+        rank, size = 0, 1
+
+        def all_gather(self, t):
+            return [t]
+
+    load_algorithm_modules()
+    data = text_data()
+    torch.manual_seed(0)
+    model = build_model("lstm_char", (6,), 7, {"hidden": 16, "embed_dim": 4})
+    flat = FlatModel(model)
+    cfg = RunConfig(algo=algo, batch_size=4, local_epochs=1, lr=0.5)
+    cls = ALGORITHMS.get(algo)
+    opts = build_options(cls.Options, {"lam": 0.2}, algo)
+    a = cls(cfg, opts, model, flat, data, OneRank(), None)
+    a.global_state = flat.flat.detach().clone()
+    a.setup()
+    rnd = RoundInfo(0, [0, 2], [0, 2], 0.5)
+    a.ledger.reset()  # the engine's order: reset, then round_begin
+    a.round_begin(rnd)
+    ctx = ClientContext(a, 0, data.client(0), rnd)
+    a.download(ctx)
+    a.local_update(model, ctx)
+    assert math.isfinite(float(ctx.loss_sum)) and ctx.samples == data.client(0).num_train
+    assert float((flat.flat - a.global_state).abs().max()) > 1e-4
+    if algo in ("fedmix", "naivemix"):  # 2 external entries of (T, V) input and label means, float32
+        metrics = a.ledger.as_metrics(a.ledger.values)
+        assert metrics["bytes_down_mean_data"] == 2 * 2 * 6 * 7 * 4
+        assert metrics["bytes_up_mean_data"] == 3 * 2 * 6 * 7 * 4  # booked once, by rank 0, in round_begin
+
+
+def test_fedmix_two_mpi_ranks_match_one_process(tmp_path):
+    """The whole run (mean exchange, selection, ledger) does not depend on the number of ranks."""
+    import json
+    import os
+
+    from conftest import FAST, final_weights, launch, max_diff, mpiexec
+    if mpiexec() is None:
+        pytest.skip("no mpiexec")
+    args = FAST + ["--algo", "fedmix", "--partition", "classes:2", "--model", "cnn", "--mean-batch", "6",
+                   "--lam", "0.1", "--select", "sample"]
+    outs = {}
+    for ranks in (1, 2):
+        out = str(tmp_path / f"r{ranks}")
+        proc = launch(args + ["--out", out], ranks=ranks)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs[ranks] = out
+    assert max_diff(final_weights(outs[1]), final_weights(outs[2])) < 1e-5
+    rows = {r: [json.loads(line) for line in open(os.path.join(o, "metrics.jsonl"))] for r, o in outs.items()}
+    for a, b in zip(rows[1], rows[2]):
+        for k in ("bytes_up_mean_data", "bytes_down_mean_data", "bytes_up_parameters"):
+            assert a[k] == b[k], k
+    assert rows[1][0]["bytes_up_mean_data"] > 0 and rows[1][1]["bytes_up_mean_data"] == 0
