@@ -27,13 +27,16 @@ def test_yaml_then_flags_override(tmp_path):
     assert algo_opts.mu == 0.3 and cfg.lr == 0.2
 
 
-def test_shipped_yaml_files_parse():
-    launch_dir = os.path.join(os.path.dirname(__file__), "..", "launch")
-    files = [f for f in os.listdir(launch_dir) if f.endswith(".yaml")]
-    assert files
-    for f in files:
-        cfg = yaml.safe_load(open(os.path.join(launch_dir, f)))
-        assert isinstance(cfg, dict) and "algo" in cfg, f
+LAUNCH_DIR = os.path.join(os.path.dirname(__file__), "..", "launch")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(LAUNCH_DIR) if f.endswith(".yaml")))
+def test_shipped_yaml_files_are_valid_configs(name):
+    """Every experiment file names registered algorithms/datasets and valid, typed options."""
+    cfg, _, _ = parse_args(["--config", os.path.join(LAUNCH_DIR, name)])
+    from fedhpc.models import MODELS, load_model_modules
+    load_model_modules()
+    assert cfg.model == "auto" or cfg.model in MODELS, cfg.model
 
 
 def test_help_lists_algorithms_and_datasets(capsys):

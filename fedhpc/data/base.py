@@ -156,7 +156,9 @@ class ArrayFederatedData(FederatedData):
     def client(self, cid: int) -> ClientData:
         tr = torch.from_numpy(self._train_idx[cid])
         te = torch.from_numpy(self._test_idx[cid])
-        return ClientData(cid, self._x[tr], self._y[tr], self._x[te], self._y[te])
+        # index_select: many times faster than fancy indexing on uint8 images
+        take = torch.index_select
+        return ClientData(cid, take(self._x, 0, tr), take(self._y, 0, tr), take(self._x, 0, te), take(self._y, 0, te))
 
     def num_test(self) -> int:
         return int(self._y_test.shape[0])

@@ -47,6 +47,10 @@ def parse_partition(spec: str) -> Tuple[str, str]:
     """'dirichlet:0.5' -> ('dirichlet', '0.5'); validates the name."""
     name, _, arg = spec.partition(":")
     name = name.strip().lower()
+    if name in ("", "auto", "default"):
+        # The dataset's own partition: naturally federated datasets resolve this to
+        # 'natural' before calling here; for a pooled dataset it is iid.
+        name = "iid"
     if name not in _PARTITIONS:
         raise ConfigError(
             f"unknown partition {spec!r}; use one of: {partition_help()}"
@@ -99,7 +103,7 @@ def _dirichlet(labels, n, rng, arg):
     for c in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == c))
         props = rng.dirichlet(np.full(n, alpha))
-        cuts = (np.cumsum(props)[:-1] * len(idx)).astype(np.int64)
+        cuts = np.rint(np.cumsum(props)[:-1] * len(idx)).astype(np.int64)  # nearest: no client favoured
         for k, chunk in enumerate(np.split(idx, cuts)):
             parts[k].append(chunk)
     return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
