@@ -1,9 +1,11 @@
 """Rounds per second of the same FedAvg job on 1 and 2 ranks (mpiexec), in one script run.
 
 Each configuration is a real launcher run; rounds/s = 1 / median(round_seconds)
-over the rounds after a warm-up, evaluation only at the end so it is not counted.
+over the rounds after a warm-up (round_seconds excludes evaluation). The three
+configurations are run --repeats times, interleaved, and the median run is
+reported, because a shared 2-core machine is noisy.
 
-    python benchmarks/bench_ranks.py [--rounds 12] [--clients-per-round 20]
+    python benchmarks/bench_ranks.py [--rounds 30] [--repeats 3] [--clients-per-round 20]
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
-def run(ranks, threads, args, tmp):
-    out = os.path.join(tmp, f"r{ranks}t{threads}")
+def run(ranks, threads, args, tmp, rep):
+    out = os.path.join(tmp, f"r{ranks}t{threads}-{rep}")
     cmd = [sys.executable, "-m", "fedhpc.launch", *args, "--out", out, "--threads", str(threads)]
     if ranks > 1:
         cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks)] + cmd
@@ -34,7 +36,8 @@ def run(ranks, threads, args, tmp):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-clients", type=int, default=100)
     ap.add_argument("--clients-per-round", type=int, default=20)
     ap.add_argument("--local-epochs", type=int, default=2)
@@ -44,12 +47,17 @@ def main():
             "--quiet", "--no-tensorboard", "--checkpoint-every", "0"]
     cores = len(os.sched_getaffinity(0))
     tmp = tempfile.mkdtemp(prefix="fedhpc-bench-")
+    configs = [(1, 1), (1, cores), (2, max(1, cores // 2))]
+    speeds = {c: [] for c in configs}
     try:
-        one_t1 = run(1, 1, args, tmp)
-        one_all = run(1, cores, args, tmp)
-        two = run(2, max(1, cores // 2), args, tmp)
+        for rep in range(a.repeats):
+            for ranks, threads in configs:
+                speeds[(ranks, threads)].append(run(ranks, threads, args, tmp, rep))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    one_t1, one_all, two = (statistics.median(speeds[c]) for c in configs)
+    for c in configs:
+        print(f"runs of {c[0]} rank(s) x {c[1]} thread(s): " + ", ".join(f"{v:.2f}" for v in speeds[c]))
     print(f"config: digits, cnn, {a.clients_per_round} of {a.num_clients} clients per round, "
           f"{a.local_epochs} local epochs, {cores} cores")
     print(f"1 rank x 1 thread        : {one_t1:6.2f} rounds/s")
