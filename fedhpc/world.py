@@ -21,7 +21,7 @@ import re
 import socket
 import sys
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, List
 
 import torch
 import torch.distributed as dist

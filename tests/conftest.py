@@ -59,16 +59,26 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+def cfg_for(data_dir, dataset, partition="iid", num_clients=4, seed=0, client_test_fraction=0.2):
+    """The RunConfig fields a dataset builder reads, for building datasets directly in tests."""
+    return SimpleNamespace(data_dir=str(data_dir), dataset=dataset, partition=partition,
+                           num_clients=num_clients, seed=seed, client_test_fraction=client_test_fraction)
+
+
+def opts(dataset, **kw):
+    """An instance of ``dataset``'s options dataclass."""
+    from fedhpc.data import DATASETS, load_dataset_modules
+
+    load_dataset_modules()
+    return DATASETS.get(dataset).options(**kw)
+
+
 @pytest.fixture
 def cfg_factory():
-    """A RunConfig-like namespace for building datasets directly."""
+    """A validated RunConfig built from keyword arguments."""
     def make(**kw):
         from fedhpc.config import RunConfig
         cfg = RunConfig(**kw)
         cfg.validate()
         return cfg
     return make
-
-
-def ns(**kw):
-    return SimpleNamespace(**kw)

@@ -1,12 +1,11 @@
 """In-process checks of the round loop against independent computations."""
 
-import math
 
 import numpy as np
 import pytest
 import torch
 
-from fedhpc.algorithms.base import derive_seed, task_loss
+from fedhpc.algorithms.base import derive_seed
 from fedhpc.config import RunConfig
 from fedhpc.engine import Engine, assign_clients, sample_clients
 from fedhpc.errors import NonFiniteLossError

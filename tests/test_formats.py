@@ -12,29 +12,18 @@ import json
 import os
 import pickle
 import struct
-from types import SimpleNamespace
 
 import h5py
 import numpy as np
 import pytest
+
+from conftest import cfg_for, opts
 
 from fedhpc.data import build_dataset
 from fedhpc.data.partition import make_partition
 from fedhpc.errors import ConfigError, DataError
 
 # --------------------------------------------------------------------------- helpers
-
-
-def cfg_for(data_dir, dataset, partition="iid", num_clients=4, seed=0, client_test_fraction=0.2):
-    return SimpleNamespace(data_dir=str(data_dir), dataset=dataset, partition=partition,
-                           num_clients=num_clients, seed=seed, client_test_fraction=client_test_fraction)
-
-
-def opts(dataset, **kw):
-    from fedhpc.data import DATASETS, load_dataset_modules
-
-    load_dataset_modules()
-    return DATASETS.get(dataset).options(**kw)
 
 
 def write_idx(path, arr, gz):

@@ -7,26 +7,18 @@ go through the public builders with ``store=memory`` and ``store=hdf5``.
 import multiprocessing as mp
 import os
 import pickle
-from types import SimpleNamespace
 
 import h5py
 import numpy as np
 import pytest
+
 import torch
 
-from fedhpc.data import ArrayFederatedData, DATASETS, build_dataset, load_dataset_modules
+from conftest import cfg_for, opts
+
+from fedhpc.data import ArrayFederatedData, build_dataset
 from fedhpc.data.store import HDF5ClientStore, build_store_from_arrays
 from fedhpc.errors import DataError
-
-
-def cfg_for(data_dir, dataset, partition="iid", num_clients=4, seed=0, client_test_fraction=0.2):
-    return SimpleNamespace(data_dir=str(data_dir), dataset=dataset, partition=partition,
-                           num_clients=num_clients, seed=seed, client_test_fraction=client_test_fraction)
-
-
-def opts(dataset, **kw):
-    load_dataset_modules()
-    return DATASETS.get(dataset).options(**kw)
 
 
 def write_cifar10(root, per_batch=20, n_test=16):

@@ -18,7 +18,7 @@ and count what it sends in ``ctx.ledger`` so the communication ledger stays hone
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
