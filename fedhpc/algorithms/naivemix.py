@@ -14,7 +14,7 @@ means too, or only them, as App. D's "Mixup w/ local means" ablation), plus (pro
 (:class:`fedhpc.algorithms.mixing.MixSpace`).
 
 Ledger: parameters as FedAvg; "mean_data" up once per refresh (all clients'
-means, booked on the rank training the round's first client) and down per
+means, booked once by rank 0 since the ledger is summed over ranks) and down per
 sampled client per round (the external entries it receives).
 
 FedMix (:mod:`fedhpc.algorithms.fedmix`) is this class with the loss of Eq. 5.
