@@ -167,3 +167,7 @@ class ClientStateStore:
 
     def close(self) -> None:
         shutil.rmtree(self.spill_dir, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.spill_dir))  # the shared parent, once every rank is done
+        except OSError:
+            pass

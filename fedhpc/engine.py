@@ -73,7 +73,9 @@ class Engine:
         self.flat = FlatModel(self.model)
         self.global_state = self.flat.flat.detach().clone()
 
-        spill = os.path.join(cfg.out, "client_state_spill") if cfg.out else tempfile.mkdtemp(prefix="fedhpc-state-")
+        # Created only if a state is ever spilled; removed when the run ends.
+        spill = (os.path.join(cfg.out, "client_state_spill") if cfg.out else
+                 os.path.join(tempfile.gettempdir(), f"fedhpc-state-{os.getpid()}"))
         self.client_state = ClientStateStore(world, int(cfg.client_state_budget_mb * 2**20), spill)
         self.algo = algo_cls(cfg, algo_options, self.model, self.flat, self.data, world, self.client_state)
         self.algo.setup()
