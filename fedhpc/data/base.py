@@ -93,6 +93,29 @@ class FederatedData(ABC):
         """Release file handles (HDF5 stores)."""
 
 
+def local_split_rng(seed: int) -> np.random.Generator:
+    """The generator of the local train/test splits (one permutation per client, in client order)."""
+    return np.random.default_rng([seed, 0x5EED])
+
+
+def split_local(n: int, fraction: float, rng: np.random.Generator, cid: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Positions (within a client's rows) of its local train and test parts.
+
+    One permutation per client, drawn from ``rng`` in client order; the first
+    ``int(n * fraction)`` permuted rows are the test part; both parts sorted. The
+    in-memory path and the HDF5 store both use it, so they hold the same clients.
+    """
+    perm = rng.permutation(n)
+    n_test = int(n * fraction)
+    if n - n_test < 1:
+        raise DataError(
+            f"client {cid} has {n} samples, leaving no training data after the "
+            f"{fraction:.0%} local test split; use fewer clients, a larger "
+            f"Dirichlet alpha, or a smaller client_test_fraction"
+        )
+    return np.sort(perm[n_test:]), np.sort(perm[:n_test])
+
+
 class ArrayFederatedData(FederatedData):
     """In-memory federated dataset built from arrays and a partition of the training pool.
 
@@ -130,20 +153,13 @@ class ArrayFederatedData(FederatedData):
         if transform is not None:
             self.transform = transform
         self._default_model = default_model
-        rng = np.random.default_rng([seed, 0x5EED])
+        rng = local_split_rng(seed)
         self._train_idx, self._test_idx = [], []
         for cid, idx in enumerate(partition):
             idx = np.asarray(idx, dtype=np.int64)
-            idx = idx[rng.permutation(len(idx))]
-            n_test = int(len(idx) * client_test_fraction)
-            if len(idx) - n_test < 1:
-                raise DataError(
-                    f"client {cid} has {len(idx)} samples, leaving no training data after the "
-                    f"{client_test_fraction:.0%} local test split; use fewer clients, a larger "
-                    f"Dirichlet alpha, or a smaller client_test_fraction"
-                )
-            self._test_idx.append(np.sort(idx[:n_test]))
-            self._train_idx.append(np.sort(idx[n_test:]))
+            train, test = split_local(len(idx), client_test_fraction, rng, cid)
+            self._train_idx.append(np.sort(idx[train]))
+            self._test_idx.append(np.sort(idx[test]))
         self._sizes = np.array([len(i) for i in self._train_idx], dtype=np.int64)
 
     @property

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .base import BatchTransform, ClientData, FederatedData
+from .base import BatchTransform, ClientData, FederatedData, local_split_rng, split_local
 from .formats import open_h5_readonly
 
 STORE_FORMAT = 1
@@ -102,31 +102,6 @@ def gather_rows(src, idx: np.ndarray) -> np.ndarray:
     breaks = np.flatnonzero(np.diff(idx) != 1) + 1
     runs = np.split(idx, breaks)
     return np.concatenate([src[int(r[0]):int(r[-1]) + 1] for r in runs])
-
-
-# --------------------------------------------------------------------------- local splits
-
-
-def local_split_rng(seed: int) -> np.random.Generator:
-    """The generator :class:`ArrayFederatedData` uses for local train/test splits."""
-    return np.random.default_rng([seed, 0x5EED])
-
-
-def split_local(n: int, fraction: float, rng: np.random.Generator, cid: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Positions (within a client's sorted rows) of its local train and test parts.
-
-    Mirrors ArrayFederatedData: one permutation per client in client order, the
-    first ``int(n * fraction)`` permuted rows are the test part; both parts sorted.
-    """
-    perm = rng.permutation(n)
-    n_test = int(n * fraction)
-    if n - n_test < 1:
-        raise DataError(
-            f"client {cid} has {n} samples, leaving no training data after the "
-            f"{fraction:.0%} local test split; use fewer clients, a larger "
-            f"Dirichlet alpha, or a smaller client_test_fraction"
-        )
-    return np.sort(perm[n_test:]), np.sort(perm[:n_test])
 
 
 # --------------------------------------------------------------------------- writing
