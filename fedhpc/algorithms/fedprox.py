@@ -1,7 +1,7 @@
 """FedProx (Li et al., 2020): FedAvg whose local objective adds (mu/2) ||w - w_global||^2.
 
 The proximal term keeps local models near the round's global model under
-heterogeneous data. :func:`proximal_term` is shared with the "+FedProx" variants of
+heterogeneous data. :func:`add_proximal_term` is shared with the "+FedProx" variants of
 the mixup algorithms (FedMix paper, Table 1), which take a ``prox_mu`` option.
 """
 
@@ -20,6 +20,13 @@ def proximal_term(model, global_params, mu: float) -> torch.Tensor:
     """(mu/2) * sum over parameters of ||w - w_global||^2 (differentiable in w)."""
     sq = [(p - g).pow(2).sum() for p, g in zip(model.parameters(), global_params)]
     return 0.5 * mu * torch.stack(sq).sum()
+
+
+def add_proximal_term(loss: torch.Tensor, algo, model, mu: float) -> torch.Tensor:
+    """``loss`` plus (mu/2)||w - w_global||^2 around the round's global model; ``loss`` when mu is 0."""
+    if mu == 0:
+        return loss
+    return loss + proximal_term(model, algo.flat.param_views(algo.global_state), mu)
 
 
 @dataclass
@@ -42,7 +49,4 @@ class FedProx(Algorithm):
         self.options = self.options or FedProxOptions()
 
     def loss(self, model, x, y, ctx):
-        loss = super().loss(model, x, y, ctx)
-        if self.options.mu == 0:
-            return loss
-        return loss + proximal_term(model, self.flat.param_views(self.global_state), self.options.mu)
+        return add_proximal_term(super().loss(model, x, y, ctx), self, model, self.options.mu)

@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..mean_data import auditing, owner_rank, record_sent
 from . import register_algorithm
 from .base import Algorithm, derive_seed
-from .fedprox import proximal_term
+from .fedprox import add_proximal_term
 from .localmix import draw_lambda
 from .mixing import MixSpace, mixup_loss
 
@@ -157,6 +157,4 @@ class GlobalMix(Algorithm):
             xj = self.space.lift(model, xj if self.space.text else self.data.transform(xj, False, None).to(xin.dtype))
             yj = self.space.labels(self.pool["y"][pick], ydtype)
             loss = mixup_loss(self.space.f(model), xin, yin, xj, yj, lam)
-        if self.options.prox_mu > 0:
-            loss = loss + proximal_term(model, self.flat.param_views(self.global_state), self.options.prox_mu)
-        return loss
+        return add_proximal_term(loss, self, model, self.options.prox_mu)

@@ -22,7 +22,7 @@ import torch
 from ..errors import ConfigError
 from . import register_algorithm
 from .base import Algorithm, derive_seed
-from .fedprox import proximal_term
+from .fedprox import add_proximal_term
 from .mixing import MixSpace, mixup_loss
 
 
@@ -69,6 +69,4 @@ class LocalMix(Algorithm):
         xin = self.space.lift(model, x)
         yin = self.space.labels(y, xin.dtype if xin.is_floating_point() else torch.float32)
         loss = mixup_loss(self.space.f(model), xin, yin, xin[perm], yin[perm], lam)
-        if self.options.prox_mu > 0:
-            loss = loss + proximal_term(model, self.flat.param_views(self.global_state), self.options.prox_mu)
-        return loss
+        return add_proximal_term(loss, self, model, self.options.prox_mu)

@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from ..mean_data import MeanDataExchange, MeanDataOptions
 from . import register_algorithm
 from .base import Algorithm, task_loss
-from .fedprox import proximal_term
+from .fedprox import add_proximal_term
 from .mixing import MixSpace, naivemix_loss
 
 
@@ -94,6 +94,4 @@ class NaiveMix(Algorithm):
             ybar = means.y[pick].to(xbar.dtype)
             yin = self.space.labels(y, xbar.dtype)
             loss = self.mix_loss(self.space.f(model), xin, yin, xbar, ybar, self.options.lam)
-        if self.options.prox_mu > 0:
-            loss = loss + proximal_term(model, self.flat.param_views(self.global_state), self.options.prox_mu)
-        return loss
+        return add_proximal_term(loss, self, model, self.options.prox_mu)
