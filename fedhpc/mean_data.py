@@ -168,6 +168,12 @@ def record_sent(cid: int, kind: str, row: torch.Tensor, x: torch.Tensor, sources
 
 # --------------------------------------------------------------------------- computing means
 
+def canonical_order(major: torch.Tensor, minor: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting gathered rows by (major, minor): the same order for any rank count."""
+    span = int(minor.max()) + 1 if len(minor) else 1
+    return torch.argsort(major * span + minor)
+
+
 def owner_rank(cid: int, world_size: int) -> int:
     """The rank that computes (and, in the ledger, sends) client ``cid``'s means."""
     return cid % world_size
@@ -244,7 +250,7 @@ def exchange_means(data, comm, opts: MeanDataOptions, seed: int, refresh: int,
     table = torch.cat(comm.all_gather(local))
     table = table[table[:, -1] > 0]
     cids, batch, counts = table[:, -3].long(), table[:, -2].long(), table[:, -1].long()
-    order = torch.argsort(cids * (int(batch.max()) + 1 if len(batch) else 1) + batch)
+    order = canonical_order(cids, batch)
     table, cids, counts = table[order], cids[order], counts[order]
     x = table[:, :dx].to(dtype).reshape((-1,) + xshape)
     y = table[:, dx:dx + dy].to(dtype).reshape((-1,) + yshape)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
-from ..mean_data import auditing, owner_rank, record_sent
+from ..mean_data import auditing, canonical_order, owner_rank, record_sent
 from . import register_algorithm
 from .base import Algorithm, derive_seed
 from .fedprox import add_proximal_term
@@ -109,7 +109,7 @@ class GlobalMix(Algorithm):
         m_all = torch.cat(comm.all_gather(m_local.to(dev)))
         keep = m_all[:, 0] >= 0
         x_all, m_all = x_all[keep], m_all[keep]
-        order = torch.argsort(m_all[:, 0] * (int(m_all[:, 1].max()) + 1) + m_all[:, 1])
+        order = canonical_order(m_all[:, 0], m_all[:, 1])
         self.pool = {
             "x": x_all[order].reshape((-1,) + tuple(data.input_shape)),
             "owner": m_all[order, 0],
