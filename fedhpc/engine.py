@@ -127,7 +127,8 @@ class Engine:
             ctx = ClientContext(algo, cid, client, rnd)
             algo.download(ctx)
             algo.local_update(self.model, ctx)
-            if not math.isfinite(float(ctx.loss_sum)):
+            loss_sum = float(ctx.loss_sum)  # one device sync per client
+            if not math.isfinite(loss_sum):
                 nonfinite.append(cid)
                 continue
             weight = algo.client_weight(ctx)
@@ -136,7 +137,7 @@ class Engine:
                 buf[sl].add_(tensor.reshape(-1), alpha=weight)
                 algo.ledger.add("up", kind, tensor.numel() * tensor.element_size())
             buf[self._slot("weight")] += weight
-            buf[self._slot("loss_sum")] += float(ctx.loss_sum)
+            buf[self._slot("loss_sum")] += loss_sum
             buf[self._slot("samples")] += ctx.samples
         buf[self._slot("nonfinite")] = len(nonfinite)
         buf[self._slot("stop")] = 1.0 if self._stop_signal else 0.0
