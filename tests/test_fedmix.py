@@ -187,7 +187,7 @@ def text_data(n=30, t=6, v=7, clients=3):
 
 
 def test_text_means_are_mean_one_hot_and_mix_as_mean_embeddings():
-    from fedhpc.mean_data import MeanDataOptions, exchange_means
+    from fedhpc.exchanges.mean_data import MeanDataOptions, exchange_means
 
     class OneRank:
         rank, size = 0, 1
@@ -259,7 +259,7 @@ def test_ledger_counts_mean_data_and_raw_samples():
 
 def run_audited(algo, mk, **algo_options):
     """Run 2 rounds; capture every tensor a client hands over: its uploads and its collective rows."""
-    from fedhpc.mean_data import audit_traffic
+    from fedhpc.exchanges.mean_data import audit_traffic
 
     eng = make_engine(algo, **algo_options)
     gathered, uploads = [], []

@@ -1,21 +1,31 @@
-"""The MAFL mean-data exchange (fedhpc/mean_data.py): values, options, rank independence.
+"""The MAFL mean-data exchange (fedhpc/exchanges/mean_data.py): values, options, rank
+independence, and the per-client view of the table.
 
 Expected values come from direct computations on the client data here, not from
-the functions under test.
+the functions under test; ``old_exchange_means`` / ``old_external`` are the
+straightforward implementations the exchange replaced (pack, gather, sort, cast;
+mask and copy), written out here as the reference the new one must match exactly.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import REPO, clean_env, mpiexec
-from fedhpc.mean_data import MeanDataOptions, audit_traffic, exchange_means
+from fedhpc.algorithms.base import derive_seed
+from fedhpc.errors import DataError
+from fedhpc.exchanges.mean_data import (MeanData, MeanDataExchange, MeanDataOptions, audit_traffic,
+                                        batches_per_client, exchange_means, mean_batches)
 
 
 class OneRank:
@@ -27,15 +37,39 @@ class OneRank:
         return [t]
 
 
-class FakeRanks:
-    """Run exchange_means as rank r of `size` in one process, to emulate the gather."""
+class ThreadRanks:
+    """`size` ranks as threads of this process; all_gather meets at a barrier (any number of calls)."""
 
-    def __init__(self, rank, size, parts):
-        self.rank, self.size, self.parts = rank, size, parts
+    def __init__(self, size):
+        self.size, self.slots = size, [None] * size
+        self.barrier = threading.Barrier(size)
 
-    def all_gather(self, t):
-        self.parts[self.rank] = t
-        return [self.parts[r] for r in range(self.size) if r in self.parts]
+    def run(self, fn):
+        """fn(comm) on every rank at once; the list of results in rank order."""
+        out, errors = [None] * self.size, []
+
+        def body(rank):
+            try:
+                out[rank] = fn(SimpleNamespace(rank=rank, size=self.size, all_gather=lambda t: self.gather(rank, t)))
+            except BaseException as e:  # noqa: BLE001 - re-raised below, peers released
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        if errors:
+            raise errors[0]
+        return out
+
+    def gather(self, rank, t):
+        self.slots[rank] = t
+        self.barrier.wait()
+        got = [s.clone() for s in self.slots]  # received buffers are copies, as over a wire
+        self.barrier.wait()                    # nobody overwrites a slot before everyone read it
+        return got
 
 
 def build(cfg_factory, **kw):
@@ -64,7 +98,7 @@ def test_default_one_mean_per_client_equals_client_mean(cfg_factory):
         counts = torch.bincount(y, minlength=10).double() / len(y)
         assert torch.allclose(md.y[cid].double(), counts, atol=1e-7)
         assert int(md.counts[cid]) == len(y)
-        ext = md.external(cid)
+        ext = md.external(cid).materialize()
         assert len(ext) == data.num_clients - 1 and not (ext.owners == cid).any()
         assert md.own(cid).owners.flatten().tolist() == [cid]
 
@@ -134,43 +168,49 @@ def test_server_averaging_groups_m_entries_into_their_pooled_mean(cfg_factory):
         assert torch.allclose(md.y[e].double(), torch.bincount(ys, minlength=10).double() / len(ys), atol=1e-6)
         assert int(md.counts[e]) == len(ys)
     for c in range(10):  # a client never receives a group containing its own data
-        ext = md.external(c)
+        ext = md.external(c).materialize()
         assert len(ext) == 3 and not (ext.owners == c).any()
 
 
 def test_emulated_ranks_give_identical_tables(cfg_factory):
     data = build(cfg_factory)
-    opts = MeanDataOptions(mean_batch=5, mean_noise=0.1, mean_server_avg=2)
-    ref = exchange_means(data, OneRank(), opts, seed=3, refresh=2)
-    for size in (2, 3, 5):
-        parts = {}
-        for r in range(size):  # fill every rank's part first, then gather on the last one
-            exchange_means(data, FakeRanks(r, size, parts), opts, seed=3, refresh=2)
-        out = exchange_means(data, FakeRanks(size - 1, size, parts), opts, seed=3, refresh=2)
-        assert torch.equal(out.x, ref.x) and torch.equal(out.y, ref.y)
-        assert torch.equal(out.owners, ref.owners) and torch.equal(out.counts, ref.counts)
+    sizes = data.client_sizes()
+    for opts in (MeanDataOptions(mean_batch=5, mean_noise=0.1, mean_server_avg=2),
+                 MeanDataOptions(mean_cutoff=int(np.median(sizes)))):  # some ranks own fewer entries
+        ref = exchange_means(data, OneRank(), opts, seed=3, refresh=2)
+        for size, piece in ((2, None), (3, 1), (5, 2), (13, 3)):  # 13 ranks: one owns no client
+            outs = ThreadRanks(size).run(
+                lambda comm: exchange_means(data, comm, opts, seed=3, refresh=2, piece_rows=piece))
+            for out in outs:  # every rank holds the whole table
+                assert torch.equal(out.x, ref.x) and torch.equal(out.y, ref.y)
+                assert torch.equal(out.owners, ref.owners) and torch.equal(out.counts, ref.counts)
 
 
 MPI_SCRIPT = textwrap.dedent("""
-    import sys, torch
+    import json, sys, torch
     from fedhpc.config import RunConfig
     from fedhpc.data import build_dataset
-    from fedhpc.mean_data import MeanDataOptions, exchange_means
+    from fedhpc.exchanges.mean_data import MeanDataOptions, exchange_means
     from fedhpc.world import World
 
+    CASES = {name: (MeanDataOptions(**o), piece) for name, (o, piece) in json.loads(sys.argv[2]).items()}
     world = World("cpu", threads=1)
     assert world.size == 2, world.size
     cfg = RunConfig(dataset="digits", num_clients=12, partition="dirichlet:0.3", seed=3)
     data = build_dataset(cfg)
     out = {}
-    for name, opts in {"plain": MeanDataOptions(),
-                       "mk_noise_avg": MeanDataOptions(mean_batch=5, mean_noise=0.1, mean_server_avg=2)}.items():
-        md = exchange_means(data, world, opts, seed=3, refresh=1)
+    for name, (opts, piece) in CASES.items():
+        md = exchange_means(data, world, opts, seed=3, refresh=1, piece_rows=piece)
         out[name] = (md.x, md.y, md.owners, md.counts)
+    gathered = world.all_gather_object(out)
     if world.rank == 0:
-        torch.save(out, sys.argv[1])
+        torch.save(gathered, sys.argv[1])
     world.close()
 """)
+
+MPI_CASES = {"plain": ({}, None),  # name: (MeanDataOptions fields, piece_rows)
+             "mk_noise_avg": ({"mean_batch": 5, "mean_noise": 0.1, "mean_server_avg": 2}, None),
+             "cutoff_pieces": ({"mean_batch": 3, "mean_cutoff": 60}, 2)}  # rank 1 owns fewer; many pieces
 
 
 @pytest.mark.skipif(mpiexec() is None, reason="no mpiexec")
@@ -179,16 +219,256 @@ def test_two_mpi_ranks_match_single_process(cfg_factory, tmp_path):
     script.write_text(MPI_SCRIPT)
     result_file = tmp_path / "means.pt"
     env = clean_env(PYTHONPATH=REPO)
-    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(result_file)],
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(result_file), json.dumps(MPI_CASES)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = torch.load(result_file)
+    per_rank = torch.load(result_file)
+    assert len(per_rank) == 2
     data = build(cfg_factory)
-    for name, opts in {"plain": MeanDataOptions(),
-                       "mk_noise_avg": MeanDataOptions(mean_batch=5, mean_noise=0.1, mean_server_avg=2)}.items():
-        md = exchange_means(data, OneRank(), opts, seed=3, refresh=1)
-        x, y, owners, counts = got[name]
-        assert torch.allclose(x, md.x, atol=1e-6, rtol=0) and torch.allclose(y, md.y, atol=1e-7, rtol=0)
-        assert torch.equal(owners, md.owners) and torch.equal(counts, md.counts)
-    # and the 2-rank table is not trivially empty
-    assert len(got["plain"][0]) == 12
+    for name, (fields, _) in MPI_CASES.items():
+        md = exchange_means(data, OneRank(), MeanDataOptions(**fields), seed=3, refresh=1)
+        for got in per_rank:  # both ranks hold the single-process table, bit for bit
+            x, y, owners, counts = got[name]
+            assert torch.equal(x, md.x) and torch.equal(y, md.y)
+            assert torch.equal(owners, md.owners) and torch.equal(counts, md.counts)
+    # and the 2-rank tables are not trivially empty
+    assert len(per_rank[0]["plain"][0]) == 12
+    assert 0 < len(per_rank[0]["cutoff_pieces"][0]) < sum(int(n) // 3 for n in data.client_sizes())
+
+
+# --------------------------------------------------------------------------- the replaced implementation
+
+def old_mean_batches(n, opts, seed, refresh, cid):
+    if n == 0 or (opts.mean_cutoff and n < opts.mean_cutoff):
+        return []
+    if opts.mean_batch == 0 or opts.mean_batch >= n:
+        return [] if opts.mean_batch > n else [np.arange(n)]
+    g = torch.Generator().manual_seed(derive_seed(seed, "mean_split", refresh, cid))
+    perm = torch.randperm(n, generator=g).numpy()
+    return [np.sort(b) for b in np.array_split(perm, n // opts.mean_batch)]
+
+
+def old_exchange_means(data, opts, seed, refresh, dtype=torch.float32):
+    """The exchange as it was, on one rank: float64 packed rows, concatenate, sort, cast, group."""
+    text = data.task == "next_char"
+    rows = []
+    for cid in range(data.num_clients):
+        c = data.client(cid)
+        for b, idx in enumerate(old_mean_batches(c.num_train, opts, seed, refresh, cid)):
+            it = torch.from_numpy(idx)
+            xin = F.one_hot(c.x[it].long(), data.num_classes) if text else data.transform(c.x[it], False, None)
+            xm = xin.float().mean(0)
+            if opts.mean_noise > 0:
+                g = torch.Generator().manual_seed(derive_seed(seed, "mean_noise", refresh, cid, b))
+                xm = xm + opts.mean_noise * torch.randn(xm.shape, generator=g).to(xm)
+            ym = F.one_hot(c.y[it].long(), data.num_classes).float().mean(0)
+            meta = torch.tensor([cid, b, len(idx)], dtype=torch.float64)
+            rows.append(torch.cat([xm.reshape(-1).double(), ym.reshape(-1).double(), meta]))
+    table = torch.stack(rows)
+    cids, batch, counts = table[:, -3].long(), table[:, -2].long(), table[:, -1].long()
+    order = torch.argsort(cids * (int(batch.max()) + 1) + batch)
+    table, cids, counts = table[order], cids[order], counts[order]
+    xshape = (data.input_shape[0], data.num_classes) if text else tuple(data.input_shape)
+    dx = int(np.prod(xshape))
+    x = table[:, :dx].to(dtype).reshape((-1,) + xshape)
+    y = table[:, dx:-3].to(dtype).reshape((len(table),) + ((xshape[0], -1) if text else (-1,)))
+    md = MeanData(x, y, cids[:, None].clone(), counts)
+    if opts.mean_server_avg > 1:
+        m = opts.mean_server_avg
+        g = torch.Generator().manual_seed(derive_seed(seed, "mean_group", refresh))
+        perm = torch.randperm(len(md), generator=g)
+        xs, ys, owners, cs = [], [], [], []
+        for grp in (perm[i:i + m] for i in range(0, len(md), m)):
+            w = md.counts[grp].to(torch.float64)
+            wn = (w / w.sum()).to(md.x.dtype)
+            xs.append(torch.tensordot(wn, md.x[grp], dims=1))
+            ys.append(torch.tensordot(wn, md.y[grp], dims=1))
+            own = torch.unique(md.owners[grp])
+            owners.append(F.pad(own[own >= 0], (0, m - len(own[own >= 0])), value=-1))
+            cs.append(md.counts[grp].sum())
+        md = MeanData(torch.stack(xs), torch.stack(ys), torch.stack(owners), torch.stack(cs))
+    return md
+
+
+def old_external(md, cid):
+    """What the server sent client cid before: a boolean mask over all entries and a copy."""
+    keep = ~(md.owners == cid).any(dim=1)
+    return md.select(keep.nonzero().flatten())
+
+
+def text_data(clients=4, n=30, t=5, v=6):
+    from fedhpc.data.base import ArrayFederatedData
+
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, v, size=(n, t))
+    parts = np.array_split(np.arange(n), clients)
+    return ArrayFederatedData("toytext", x, np.roll(x, -1, axis=1), x[:2], x[:2], parts, num_classes=v,
+                              client_test_fraction=0.0, task="next_char")
+
+
+OPTION_SETS = [MeanDataOptions(), MeanDataOptions(mean_batch=4), MeanDataOptions(mean_batch=6, mean_noise=0.2),
+               MeanDataOptions(mean_batch=3, mean_server_avg=4), MeanDataOptions(mean_batch=5, mean_cutoff=25),
+               MeanDataOptions(mean_batch=1000)]  # M_k above every client: an empty table
+
+
+@pytest.mark.parametrize("opts", OPTION_SETS, ids=lambda o: f"mk{o.mean_batch}_cut{o.mean_cutoff}_m{o.mean_server_avg}")
+def test_one_rank_equals_the_replaced_implementation_exactly(cfg_factory, opts):
+    data = build(cfg_factory)
+    for dtype in (torch.float32, torch.float64):
+        new = exchange_means(data, OneRank(), opts, seed=3, refresh=1, dtype=dtype)
+        if not len(new):
+            assert all(n < opts.mean_batch for n in data.client_sizes())
+            assert new.x.shape == (0, 1, 8, 8) and new.y.shape == (0, 10) and new.nbytes() == 0
+            continue
+        old = old_exchange_means(data, opts, seed=3, refresh=1, dtype=dtype)
+        assert new.x.dtype == dtype and new.x.shape == old.x.shape and new.y.shape == old.y.shape
+        assert torch.equal(new.x, old.x) and torch.equal(new.y, old.y)
+        assert torch.equal(new.owners, old.owners) and torch.equal(new.counts, old.counts)
+    text = text_data()
+    assert torch.equal(exchange_means(text, OneRank(), MeanDataOptions(mean_batch=2), seed=0, refresh=0).x,
+                       old_exchange_means(text, MeanDataOptions(mean_batch=2), seed=0, refresh=0).x)
+
+
+def test_batch_counts_follow_from_client_sizes():
+    """The layout every rank derives from n_k alone matches the split the client makes."""
+    for opts in (MeanDataOptions(), MeanDataOptions(mean_batch=3), MeanDataOptions(mean_batch=7, mean_cutoff=10),
+                 MeanDataOptions(mean_batch=1)):
+        sizes = np.arange(0, 40)
+        k = batches_per_client(sizes, opts)
+        for n in sizes:
+            split = mean_batches(int(n), opts, seed=0, refresh=0, cid=int(n))
+            assert [len(b) for b in split] == [len(b) for b in old_mean_batches(int(n), opts, 0, 0, int(n))]
+            assert k[n] == len(split)
+
+
+def views_equal_copies(md, cids):
+    g = torch.Generator().manual_seed(0)
+    for cid in cids:
+        view, ref = md.external(cid), old_external(md, cid)
+        assert len(view) == len(ref) and view.nbytes() == ref.nbytes()
+        got = view.materialize()  # entry by entry, in the same order
+        assert torch.equal(got.x, ref.x) and torch.equal(got.y, ref.y) and torch.equal(got.owners, ref.owners)
+        if len(ref):
+            pick = torch.randint(len(view), (64,), generator=g)
+            xs, ys = view.take(pick)
+            assert torch.equal(xs, ref.x[pick]) and torch.equal(ys, ref.y[pick])
+        own = md.own(cid)
+        assert torch.equal(own.owners, md.select((md.owners == cid).any(1).nonzero().flatten()).owners)
+        assert len(own) + len(view) == len(md)
+
+
+def test_download_view_equals_mask_and_copy(cfg_factory):
+    data = build(cfg_factory)
+    sizes = data.client_sizes()
+    md = exchange_means(data, OneRank(), MeanDataOptions(mean_batch=4, mean_cutoff=int(np.median(sizes))),
+                        seed=3, refresh=0)
+    empty = [c for c in range(data.num_clients) if not (md.owners == c).any()]
+    assert empty and len(md) > data.num_clients  # clients without entries, clients with several
+    views_equal_copies(md, list(range(data.num_clients)) + [99])  # 99: not a client of the table
+    for c in empty:
+        assert len(md.external(c)) == len(md)
+
+
+def test_download_view_with_server_averaged_groups(cfg_factory):
+    """App. J: an entry has several owners; a client is excluded from every group holding it."""
+    data = build(cfg_factory)
+    md = exchange_means(data, OneRank(), MeanDataOptions(mean_batch=3, mean_server_avg=5), seed=3, refresh=0)
+    assert (md.owners >= 0).sum(1).max() > 1
+    views_equal_copies(md, range(data.num_clients))
+    # a hand-made table: duplicate owners in a row, owners in any order, a client in every entry
+    owners = torch.tensor([[2, 0, -1], [1, 1, 2], [3, -1, -1], [0, 2, 3], [1, 2, -1]])
+    hand = MeanData(torch.arange(5.0)[:, None], torch.arange(5.0)[:, None] * 10, owners,
+                    torch.ones(5, dtype=torch.long))
+    views_equal_copies(hand, range(6))  # 4, 5: in no entry
+    assert len(hand.external(2)) == 1 and hand.external(2).materialize().x.flatten().tolist() == [2.0]
+
+
+def test_a_client_never_draws_its_own_mean(cfg_factory):
+    data = build(cfg_factory)
+    md = exchange_means(data, OneRank(), MeanDataOptions(mean_batch=2, mean_server_avg=3), seed=3, refresh=0)
+    g = torch.Generator().manual_seed(5)
+    for cid in range(data.num_clients):
+        view = md.external(cid)
+        pick = torch.randint(len(view), (2000,), generator=g)
+        pos = view.positions(pick)
+        assert not (md.owners[pos] == cid).any()
+        # and every external entry can be drawn: the draws cover the complement
+        assert set(pos.tolist()) == set((~(md.owners == cid).any(1)).nonzero().flatten().tolist())
+
+
+def test_exchange_download_books_what_the_client_receives(cfg_factory):
+    data = build(cfg_factory)
+    opts = MeanDataOptions(mean_batch=5)
+
+    class Ledger:
+        def __init__(self):
+            self.booked = []
+
+        def add(self, direction, kind, n):
+            self.booked.append((direction, kind, n))
+
+    algo = SimpleNamespace(data=data, comm=OneRank(), cfg=SimpleNamespace(seed=3), device=torch.device("cpu"),
+                           flat=SimpleNamespace(flat=torch.zeros(1)), ledger=Ledger())
+    ex = MeanDataExchange(algo, opts)
+    ex.round_begin(SimpleNamespace(index=0))
+    md, entry = ex.means, ex.means.entry_bytes()
+    assert algo.ledger.booked == [("up", "mean_data", len(md) * entry)]
+    for cid in (0, 5):
+        own = int((md.owners == cid).sum())
+        for mix_with, received, rows in (("others", len(md) - own, len(md) - own), ("all", len(md), len(md)),
+                                         ("own", None, own)):
+            ctx = SimpleNamespace(cid=cid, ledger=Ledger())
+            got = ex.download(ctx, mix_with)
+            assert len(got) == rows
+            assert ctx.ledger.booked == ([] if received is None else [("down", "mean_data", received * entry)])
+            xs, _ = got.take(torch.arange(rows))
+            is_own = (md.owners == cid).any(1)
+            expect = md.x[is_own] if mix_with == "own" else md.x if mix_with == "all" else md.x[~is_own]
+            assert torch.equal(xs, expect)
+
+
+def test_client_sizes_that_disagree_with_the_clients_are_refused(cfg_factory):
+    data = build(cfg_factory)
+    true_sizes = data.client_sizes()
+    lying = true_sizes.copy()
+    lying[4] += 7
+    data.client_sizes = lambda: lying
+    with pytest.raises(DataError, match="client_sizes"):
+        exchange_means(data, OneRank(), MeanDataOptions(mean_batch=3), seed=3, refresh=0)
+
+
+def test_naivemix_draws_the_same_entries_as_the_copied_external_set(cfg_factory):
+    """NaiveMix's loss, per-sample selection: each mixed xbar is the entry the old code drew, never the client's own."""
+    from fedhpc.algorithms import ALGORITHMS, ClientContext, RoundInfo, load_algorithm_modules
+    from fedhpc.config import RunConfig, build_options
+    from fedhpc.flat import FlatModel
+    from fedhpc.models import build_model
+
+    load_algorithm_modules()
+    data = build(cfg_factory)
+    torch.manual_seed(0)
+    model = build_model("mlp", data.input_shape, data.num_classes, {})
+    flat = FlatModel(model)
+    cfg = RunConfig(algo="naivemix", seed=3)
+    opts = build_options(ALGORITHMS.get("naivemix").Options, {"select": "sample", "mean_batch": 4,
+                                                              "mean_server_avg": 3}, "naivemix")
+    algo = ALGORITHMS.get("naivemix")(cfg, opts, model, flat, data, OneRank(), None)
+    algo.global_state = flat.flat.detach().clone()
+    algo.setup()
+    rnd = RoundInfo(0, [0, 1], [0, 1], 0.1)
+    algo.round_begin(rnd)
+    md = algo.exchange.means
+    seen = []
+    algo.mix_loss = lambda f, x, y, xbar, ybar, lam: seen.append((xbar, ybar)) or f(x).sum() * 0
+    for cid in (0, 7):
+        ctx = ClientContext(algo, cid, data.client(cid), rnd)
+        algo.download(ctx)
+        old, g = old_external(md, cid), ctx.generator("mean_select")  # the same stream, replayed
+        for _ in range(5):
+            seen.clear()
+            x = data.transform(data.client(cid).x[:20], False, None)
+            algo.loss(model, x, data.client(cid).y[:20], ctx)
+            pick = torch.randint(len(old), (20,), generator=g)
+            xbar, ybar = seen[0]
+            assert torch.equal(xbar, old.x[pick]) and torch.equal(ybar, old.y[pick])
+            assert not (old.owners[pick] == cid).any()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
-from ..mean_data import auditing, canonical_order, owner_rank, record_sent
+from ..exchanges.mean_data import auditing, canonical_order, owner_rank, record_sent
 from . import register_algorithm
 from .base import Algorithm, derive_seed
 from .fedprox import add_proximal_term

@@ -1,6 +1,6 @@
 """NaiveMix (FedMix paper, Eq. 1): mixup of local samples with other clients' mean data under MAFL.
 
-Round: every rank takes part in the mean-data exchange (:mod:`fedhpc.mean_data`,
+Round: every rank takes part in the mean-data exchange (:mod:`fedhpc.exchanges.mean_data`,
 once before round 1 by default); each sampled client receives the entries of
 (Xg, Yg) that hold none of its own data ("never mix a client with its own
 mean"), and trains on
@@ -15,7 +15,10 @@ means too, or only them, as App. D's "Mixup w/ local means" ablation), plus (pro
 
 Ledger: parameters as FedAvg; "mean_data" up once per refresh (all clients'
 means, booked once by rank 0 since the ledger is summed over ranks) and down per
-sampled client per round (the external entries it receives).
+sampled client per round (the external entries it receives). What the client
+holds of those entries is a view of the exchanged table
+(:class:`fedhpc.exchanges.mean_data.ExternalMeans`), so its cost does not grow
+with the number of clients.
 
 FedMix (:mod:`fedhpc.algorithms.fedmix`) is this class with the loss of Eq. 5.
 """
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
-from ..mean_data import MeanDataExchange, MeanDataOptions
+from ..exchanges.mean_data import MeanDataExchange, MeanDataOptions
 from . import register_algorithm
 from .base import Algorithm, task_loss
 from .fedprox import add_proximal_term
@@ -88,10 +91,12 @@ class NaiveMix(Algorithm):
             loss = task_loss(model(x), y)  # nothing external to mix with
         else:
             n = 1 if self.options.select == "batch" else x.shape[0]
-            pick = torch.randint(len(means), (n,), generator=ctx.extra["select_gen"]).to(means.x.device)
-            xbar = self.space.lift_means(model, means.x[pick])
+            # The same draw as over a copied external set: take() maps it to the same entry.
+            pick = torch.randint(len(means), (n,), generator=ctx.extra["select_gen"])
+            xsel, ysel = means.take(pick)
+            xbar = self.space.lift_means(model, xsel)
             xin = self.space.lift(model, x)
-            ybar = means.y[pick].to(xbar.dtype)
+            ybar = ysel.to(xbar.dtype)
             yin = self.space.labels(y, xbar.dtype)
             loss = self.mix_loss(self.space.f(model), xin, yin, xbar, ybar, self.options.lam)
         return add_proximal_term(loss, self, model, self.options.prox_mu)
