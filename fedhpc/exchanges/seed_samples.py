@@ -1,0 +1,516 @@
+"""Seed samples of FLD / MixFLD / Mix2FLD (Mix2FLD paper, Sec. III, Alg. 1) as pure functions and one collective.
+
+At the first global update every device uploads N_S seed samples, which the
+server keeps for its output-to-model conversion (Eq. 5):
+
+* FLD: :func:`raw_seeds`, N_S raw samples drawn without replacement.
+* MixFLD: :func:`mixed_seeds`, Eq. 6: ``s_hat = lam * s_i + (1 - lam) * s_j`` with
+  labels ``L(i) != L(j)`` and lam in (0, 0.5): the *first* sample of the tuple gets
+  lam, as in Eq. 6, so the soft label puts lam on L(i) and 1 - lam on L(j).
+  General N (Proposition 1) mixes N samples of N different labels with ratios
+  (lam_1, ..., lam_N) summing to 1; :func:`mixing_ratios` gives the defaults.
+* Mix2FLD: :func:`inverse_mixup` on the server, Eqs. 7-8 (see there).
+
+:func:`collect_seeds` is the upload: every rank hands in the seed sets of the
+devices it hosts, one ``all_gather_object`` carries them, and every rank sorts
+them by (device id, position), so the collected set is identical for any
+number of ranks.
+
+How devices choose label tuples (``pairing``); the paper leaves this open. The
+server can only invert seeds whose label tuples are rotations of each other
+(Eq. 8; for N = 2: (a, b) on one device and (b, a) on another). With the
+literal reading of Eq. 6 (``"random"``: i uniform over the device's data, j
+uniform over the samples of other labels) and 10 labels, a seed finds on
+average about one mirrored partner among 90 seeds of 9 other devices, so a
+third of the seeds have none and N_I = 2 N_S is out of reach. The default,
+``"shared"``, keeps the samples random but coordinates the labels: seed slot s
+on every device uses the same label set, the first N labels of a permutation
+of all labels drawn from ``derive_seed(schedule_seed, "seed-labels", s)``
+among the labels the device holds (so devices missing a label fall back to the
+next labels of the same permutation and still agree with devices holding the
+same labels), and device ``cid`` uses the rotation ``cid mod N`` of that tuple.
+With 10 devices 0..9 and N = 2, every slot then has five devices in each
+orientation (25 cross-device pairs per slot).
+
+Samples inside a label are taken from a shuffled per-label queue, so no raw
+sample enters two seeds of a device until every sample of its label has been
+used once (labels with few samples, like Mix2FLD's 2-sample labels, are then
+reused). Inputs are mixed in model-input space (``data.transform(x, False,
+None)``); the wire size follows the paper (8 bits per pixel, b_s = 6,272 bits
+for MNIST) and the samples are not quantised.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, fields
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..algorithms.base import derive_seed
+from ..errors import ConfigError, DataError
+from .mean_data import canonical_order
+
+#: more candidate combinations than this in one label tuple are not enumerated (see inverse_mixup)
+ENUMERATE_LIMIT = 1 << 20
+
+
+# --------------------------------------------------------------------------- options
+
+@dataclass
+class SeedSampleOptions:
+    """Seed-sample settings an FLD-family algorithm can mix into its own options."""
+
+    seeds_per_device: int = field(default=10, metadata={
+        "help": "N_S: seed samples each device uploads once (Mix2FLD paper: 10 or 50)"})
+    inverse_per_device: int = field(default=10, metadata={
+        "help": "N_I: inversely mixed samples the server makes per device (N_I >= N_S; paper: 10, 20, 50, 100)"})
+    seed_lam: float = field(default=0.1, metadata={
+        "help": "mixing ratio lambda of Eq. 6, in (0, 1/N); the first N-1 samples get lambda each"})
+    seed_mix_n: int = field(default=2, metadata={
+        "help": "N: raw samples per mixed seed and mixed seeds per inverse mixup (Eq. 8)"})
+    seed_ratios: str = field(default="", metadata={
+        "help": "explicit ratios lambda_1,...,lambda_N (comma separated, summing to 1); overrides --seed-lam"})
+    seed_pairing: str = field(default="shared", metadata={
+        "help": "label tuples: shared (a common seeded schedule, rotated by device id, so the server finds "
+                "symmetric partners) or random (Eq. 6 read literally)"})
+
+    def ratios(self) -> Tuple[float, ...]:
+        if self.seed_ratios.strip():
+            try:
+                lam = [float(v) for v in self.seed_ratios.split(",")]
+            except ValueError:
+                raise ConfigError(f"--seed-ratios must be comma-separated numbers, got {self.seed_ratios!r}")
+            return mixing_ratios(lam, len(lam))
+        return mixing_ratios(self.seed_lam, self.seed_mix_n)
+
+    def validate(self):
+        if self.seeds_per_device < 1:
+            raise ConfigError(f"--seeds-per-device must be >= 1, got {self.seeds_per_device}")
+        if self.inverse_per_device < 0:
+            raise ConfigError(f"--inverse-per-device must be >= 0, got {self.inverse_per_device}")
+        if self.seed_pairing not in PAIRINGS:
+            raise ConfigError(f"--seed-pairing must be one of {', '.join(PAIRINGS)}, got {self.seed_pairing!r}")
+        self.ratios()
+
+
+PAIRINGS = ("shared", "random")
+
+
+def mixing_ratios(lam: Union[float, Sequence[float]], n: int = 2) -> Tuple[float, ...]:
+    """The ratios (lam_1, ..., lam_N) a device mixes N samples with.
+
+    A number lam gives (lam, ..., lam, 1 - (N-1) lam): Eq. 6's (lam, 1 - lam) for
+    N = 2, and for N > 2 a circulant (Eq. 8) that is invertible exactly when
+    lam != 1/N (its non-trivial eigenvalues are (1 - N lam) times roots of unity).
+    lam must lie in (0, 1/N), the paper's (0, 0.5) for N = 2. A sequence is taken
+    as the ratios themselves: N positive numbers summing to 1.
+    """
+    if n < 2:
+        raise ConfigError(f"a mixed seed mixes N >= 2 samples, got N = {n}")
+    if isinstance(lam, (int, float)):
+        if not 0 < lam < 1 / n:
+            raise ConfigError(f"mixing ratio lambda must lie in (0, 1/N) = (0, {1 / n:g}) "
+                              f"(Mix2FLD Eq. 6: (0, 0.5) for N = 2), got {lam}")
+        return tuple([float(lam)] * (n - 1) + [1.0 - (n - 1) * float(lam)])
+    out = tuple(float(v) for v in lam)
+    if len(out) != n:
+        raise ConfigError(f"{len(out)} mixing ratios given for N = {n}; give exactly N")
+    if not all(v > 0 for v in out) or abs(sum(out) - 1) > 1e-9:
+        raise ConfigError(f"mixing ratios must be positive and sum to 1 (Eq. 8), got {out}")
+    return out
+
+
+# --------------------------------------------------------------------------- the seed set
+
+@dataclass
+class SeedSet:
+    """Seed samples with their provenance: every sample is ``sum_s weights[:, s] * raw(source_s)``.
+
+    ``labels`` lists the labels of the raw samples in ratio order (K = 1 for raw
+    seeds, N for mixed seeds; for inverse-mixup outputs the single hard label).
+    ``source_cid`` / ``source_index`` name the raw samples behind each row (the
+    device and the index into that device's training data): 1 for raw seeds, N
+    for mixed seeds, N*N for inverse-mixup outputs.
+    """
+
+    x: torch.Tensor             # (n, *input_shape) float, model-input space
+    y: torch.Tensor             # (n, C) float: soft labels (hard for raw and inverse samples)
+    labels: torch.Tensor        # (n, K) long
+    source_cid: torch.Tensor    # (n, S) long
+    source_index: torch.Tensor  # (n, S) long
+    weights: torch.Tensor       # (n, S) float64: coefficient of each raw source
+    owner: torch.Tensor         # (n,) long: uploading device; -1 = made by the server
+    index: torch.Tensor         # (n,) long: position in the owner's upload (server: output position)
+    kind: str                   # "raw" | "mixed" | "inverse"
+    ratios: Tuple[float, ...]   # the devices' mixing ratios (lam_1..lam_N); raw: (1.0,)
+    parents: Optional[torch.Tensor] = None  # inverse only: (n, N) rows of the mixed set combined
+    coef: Optional[torch.Tensor] = None     # inverse only: (n, N) float64 inverse ratios lambda_hat
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.y.shape[1])
+
+    def _map(self, fn) -> "SeedSet":
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SeedSet(**{k: (fn(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+
+    def select(self, rows: torch.Tensor) -> "SeedSet":
+        return self._map(lambda t: t[rows.to(t.device)])
+
+    def to(self, device) -> "SeedSet":
+        return self._map(lambda t: t.to(device))
+
+    def wire_bytes(self, pixel_bits: int = 8) -> int:
+        """Bytes of the upload: ``pixel_bits`` per input value (the paper's b_s) plus K label ids.
+
+        The ratios are the same on every device (Eq. 6: "given identically for all
+        devices"), so a soft label travels as its label ids, each in the fewest whole
+        bytes that hold C classes.
+        """
+        pixels = int(np.prod(self.x.shape[1:]))
+        label_bytes = max(1, math.ceil(math.log2(max(self.num_classes, 2)) / 8))
+        per = math.ceil(pixels * pixel_bits / 8) + self.labels.shape[1] * label_bytes
+        return len(self) * per
+
+    @staticmethod
+    def cat(parts: Sequence["SeedSet"]) -> "SeedSet":
+        """Rows of several sets of one kind, in the given order."""
+        if not parts:
+            raise DataError("no seed samples to join: no device uploaded any")
+        kinds = {(p.kind, p.ratios) for p in parts}
+        if len(kinds) > 1:
+            raise ConfigError(f"seed sets of different kinds or mixing ratios cannot be joined: {sorted(kinds)}; "
+                              f"every device must use the same seed settings")
+        first = parts[0]
+        kw = {}
+        for f in fields(SeedSet):
+            v = getattr(first, f.name)
+            kw[f.name] = torch.cat([getattr(p, f.name) for p in parts]) if isinstance(v, torch.Tensor) else v
+        return SeedSet(**kw)
+
+
+def _int_labels(y: torch.Tensor, num_classes: int, cid: int) -> torch.Tensor:
+    y = torch.as_tensor(y).reshape(-1).long().cpu()
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise DataError(f"client {cid}: labels must lie in [0, {num_classes}), found {int(y.min())}..{int(y.max())}")
+    return y
+
+
+def _check_inputs(x: torch.Tensor, y: torch.Tensor, n_seeds: int, num_classes: int, cid: int) -> torch.Tensor:
+    if not torch.is_floating_point(x):
+        raise ConfigError("seed samples are taken in model-input space: pass float inputs "
+                          "(e.g. data.transform(x, False, None)), not raw ids or bytes")
+    if n_seeds < 1:
+        raise ConfigError(f"N_S (seed samples per device) must be >= 1, got {n_seeds}")
+    y = _int_labels(y, num_classes, cid)
+    if len(y) != x.shape[0]:
+        raise DataError(f"client {cid}: {x.shape[0]} inputs but {len(y)} labels")
+    if len(y) == 0:
+        raise DataError(f"client {cid} has no training samples to draw seed samples from; "
+                        f"leave it out of the seed collection")
+    return y
+
+
+# --------------------------------------------------------------------------- device side
+
+def raw_seeds(x: torch.Tensor, y: torch.Tensor, n_seeds: int, generator: torch.Generator, *,
+              cid: int, num_classes: int) -> SeedSet:
+    """FLD's seeds: N_S raw samples of the device, drawn uniformly without replacement."""
+    y = _check_inputs(x, y, n_seeds, num_classes, cid)
+    if n_seeds > len(y):
+        raise DataError(f"client {cid} has {len(y)} training samples, fewer than N_S = {n_seeds} "
+                        f"raw seeds drawn without replacement; lower the seeds per device")
+    pick = torch.randperm(len(y), generator=generator)[:n_seeds]
+    n = len(pick)
+    return SeedSet(
+        x=x[pick.to(x.device)].clone(), y=F.one_hot(y[pick], num_classes).to(x.dtype).to(x.device),
+        labels=y[pick][:, None], source_cid=torch.full((n, 1), cid, dtype=torch.long),
+        source_index=pick[:, None], weights=torch.ones(n, 1, dtype=torch.float64),
+        owner=torch.full((n,), cid, dtype=torch.long), index=torch.arange(n), kind="raw", ratios=(1.0,))
+
+
+class _LabelQueues:
+    """Per-label shuffled queues of sample indices: no reuse before a label is exhausted."""
+
+    def __init__(self, y: torch.Tensor, generator: torch.Generator):
+        self.g = generator
+        self.members = {int(c): (y == c).nonzero().flatten() for c in torch.unique(y)}
+        self.queue: Dict[int, List[int]] = {c: [] for c in self.members}
+
+    def take(self, label: int) -> int:
+        q = self.queue[label]
+        if not q:
+            m = self.members[label]
+            q.extend(m[torch.randperm(len(m), generator=self.g)].tolist())
+        return q.pop(0)
+
+
+def _shared_tuple(slot: int, held: torch.Tensor, n: int, num_classes: int, schedule_seed: int, cid: int) -> List[int]:
+    """Slot ``slot``'s label tuple: the first N held labels of a permutation common to all devices, rotated by cid."""
+    g = torch.Generator().manual_seed(derive_seed(schedule_seed, "seed-labels", slot))
+    perm = torch.randperm(num_classes, generator=g)
+    base = perm[held[perm]][:n]
+    # torch.roll(a, r)[m] = a[m - r]: device rotation r weighs base label l with lam[(l + r) mod N],
+    # row r of Eq. 8's circulant.
+    return torch.roll(base, cid % n).tolist()
+
+
+def _random_tuple(counts: torch.Tensor, n: int, generator: torch.Generator) -> List[int]:
+    """Eq. 6 read literally: sample i uniform, then j uniform over samples of other labels (and so on for N)."""
+    w = counts.double().clone()
+    out = []
+    for _ in range(n):
+        c = int(torch.multinomial(w, 1, generator=generator))
+        out.append(c)
+        w[c] = 0
+    return out
+
+
+def mixed_seeds(x: torch.Tensor, y: torch.Tensor, n_seeds: int, lam: Union[float, Sequence[float]],
+                num_classes: int, generator: torch.Generator, *, cid: int, n_mix: int = 2,
+                pairing: str = "shared", schedule_seed: int = 0) -> SeedSet:
+    """MixFLD's seeds (Eq. 6): each mixes N samples of N different labels with ratios (lam_1..lam_N).
+
+    ``lam`` is a number (ratios from :func:`mixing_ratios` with N = ``n_mix``) or the
+    N ratios themselves (N = their count; ``n_mix`` is then ignored). Soft labels put
+    lam_m on the label of the m-th sample.
+    ``pairing`` chooses the label tuples (module docstring); ``schedule_seed`` must be
+    the same on every device (the run's seed). ``generator`` (this device's own)
+    draws the samples, and the labels too under ``"random"``.
+    Raises DataError when the device holds fewer than N different labels.
+    """
+    ratios = mixing_ratios(lam, len(lam) if not isinstance(lam, (int, float)) else n_mix)
+    n = len(ratios)
+    if pairing not in PAIRINGS:
+        raise ConfigError(f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
+    y = _check_inputs(x, y, n_seeds, num_classes, cid)
+    counts = torch.bincount(y, minlength=num_classes)
+    held = counts > 0
+    if int(held.sum()) < n:
+        raise DataError(f"client {cid} holds {int(held.sum())} label(s) {held.nonzero().flatten().tolist()}; "
+                        f"a mixed seed needs N = {n} samples of different labels (Mix2FLD Eq. 6). Use a "
+                        f"partition giving every device at least {n} labels, or raw seeds (FLD)")
+    queues = _LabelQueues(y, generator)
+    tuples, sources = [], []
+    for s in range(n_seeds):
+        t = (_shared_tuple(s, held, n, num_classes, schedule_seed, cid) if pairing == "shared"
+             else _random_tuple(counts, n, generator))
+        tuples.append(t)
+        sources.append([queues.take(c) for c in t])
+    labels = torch.tensor(tuples, dtype=torch.long)
+    src = torch.tensor(sources, dtype=torch.long)
+    r = torch.tensor(ratios, dtype=torch.float64)
+    xs = x[src.reshape(-1).to(x.device)].reshape((n_seeds, n) + tuple(x.shape[1:]))
+    mixed = torch.einsum("m,sm...->s...", r.to(x.device), xs.double()).to(x.dtype)
+    soft = torch.zeros(n_seeds, num_classes, dtype=torch.float64)
+    soft.scatter_(1, labels, r.expand(n_seeds, n).clone())
+    return SeedSet(x=mixed, y=soft.to(x.dtype).to(x.device), labels=labels,
+                   source_cid=torch.full((n_seeds, n), cid, dtype=torch.long), source_index=src,
+                   weights=r.expand(n_seeds, n).clone(), owner=torch.full((n_seeds,), cid, dtype=torch.long),
+                   index=torch.arange(n_seeds), kind="mixed", ratios=ratios)
+
+
+# --------------------------------------------------------------------------- the upload
+
+def collect_seeds(comm, local: Dict[int, SeedSet], device=None) -> SeedSet:
+    """The server's collected seed set: every device's upload, in (device id, position) order.
+
+    Collective: call it on every rank with the sets of the devices that rank hosts
+    (an empty dict is fine). One ``all_gather_object`` of CPU tensors; the result
+    is the same on every rank and for any number of ranks. ``device``: where the
+    result lives (default CPU).
+    """
+    mine = []
+    for cid, s in sorted(local.items()):
+        if len(s) and bool((s.owner != cid).any()):
+            raise ConfigError(f"the seed set handed in for client {cid} belongs to client(s) "
+                              f"{torch.unique(s.owner).tolist()}; pass cid= when making it")
+        if len(s):
+            mine.append((int(cid), s.to("cpu")))
+    gathered = [item for part in comm.all_gather_object(mine) for item in part]
+    cids = [c for c, _ in gathered]
+    if len(set(cids)) != len(cids):
+        dup = sorted({c for c in cids if cids.count(c) > 1})
+        raise ConfigError(f"client(s) {dup} uploaded seeds from more than one rank; each device must be "
+                          f"hosted by exactly one rank")
+    if not gathered:
+        raise DataError("no device uploaded seed samples (every device was empty or left out)")
+    joined = SeedSet.cat([s for _, s in gathered])
+    joined = joined.select(canonical_order(joined.owner, joined.index))
+    return joined if device is None else joined.to(device)
+
+
+# --------------------------------------------------------------------------- server side
+
+def circulant(ratios: Sequence[float]) -> torch.Tensor:
+    """Eq. 8's mixing matrix: row r = (lam_{1+r}, ..., lam_N, lam_1, ..., lam_r), float64.
+
+    Entry [r, l] is the weight a device in rotation r gives to base label l.
+    """
+    lam = torch.tensor(list(ratios), dtype=torch.float64)
+    n = len(lam)
+    idx = (torch.arange(n)[:, None] + torch.arange(n)[None, :]) % n
+    return lam[idx]
+
+
+def inverse_ratios(ratios: Sequence[float]) -> torch.Tensor:
+    """Eq. 8: the inverse mixing ratios, W[n, r] = lambda_hat of the rotation-r seed for label n.
+
+    W = M^{-1} with M = :func:`circulant` (M is symmetric, so the paper's
+    row/column layout of the hatted matrix is the same either way). For N = 2:
+    W[0] = (lam / (2 lam - 1), 1 - lam / (2 lam - 1)) (Eqs. 9-10), negative entries expected.
+    """
+    m = circulant(ratios)
+    cond = torch.linalg.cond(m)
+    if not torch.isfinite(cond) or cond > 1e8:
+        raise ConfigError(f"mixing ratios {tuple(ratios)} give a singular circulant (Eq. 8): inverse "
+                          f"mixup is impossible; for N = 2 use lambda != 0.5, for N > 2 ratios whose "
+                          f"circulant is invertible (e.g. lambda != 1/N)")
+    return torch.linalg.inv(m)
+
+
+def _rotation_groups(labels: np.ndarray) -> Dict[Tuple[int, ...], List[List[int]]]:
+    """Seeds grouped by label cycle (tuple rotated to start at its smallest label), then by rotation."""
+    n = labels.shape[1]
+    groups: Dict[Tuple[int, ...], List[List[int]]] = {}
+    for row, t in enumerate(labels.tolist()):
+        if len(set(t)) != n:
+            continue  # a repeated label makes the tuple no rotation of N distinct labels
+        r = int(np.argmin(t))
+        base = tuple(t[r:] + t[:r])
+        groups.setdefault(base, [[] for _ in range(n)])[r].append(row)
+    return groups
+
+
+def _greedy_pass(groups, owner: np.ndarray, made: set, g: torch.Generator) -> List[Tuple[int, ...]]:
+    """One pass: every seed joins at most one new combination, partners drawn in random order."""
+    fresh = []
+    for key in sorted(groups):
+        lists = groups[key]
+        if any(not rows for rows in lists):
+            continue
+        order = [[rows[i] for i in torch.randperm(len(rows), generator=g).tolist()] for rows in lists]
+        used = [set() for _ in lists]
+        start = [0] * len(lists)  # first possibly unused position: keeps a pass near-linear
+        for a in order[0]:
+            combo, owners = [a], {owner[a]}
+            for r in range(1, len(lists)):
+                last = r == len(lists) - 1
+                while start[r] < len(order[r]) and order[r][start[r]] in used[r]:
+                    start[r] += 1
+                pick = next((b for b in itertools.islice(order[r], start[r], None)
+                             if b not in used[r] and owner[b] not in owners
+                             and not (last and tuple(combo + [b]) in made)), None)
+                if pick is None:
+                    break
+                combo.append(pick)
+                owners.add(owner[pick])
+            if len(combo) == len(lists):
+                made.add(tuple(combo))
+                fresh.append(tuple(combo))
+                for r, b in enumerate(combo):
+                    used[r].add(b)
+    return fresh
+
+
+def _enumerate_rest(groups, owner: np.ndarray, made: set) -> List[Tuple[int, ...]]:
+    """Every valid combination not made yet, for tuples with at most ENUMERATE_LIMIT candidates."""
+    rest = []
+    for key in sorted(groups):
+        lists = groups[key]
+        if math.prod(len(r) for r in lists) > ENUMERATE_LIMIT:
+            continue
+        for combo in itertools.product(*lists):
+            if len({owner[b] for b in combo}) == len(combo) and combo not in made:
+                made.add(combo)
+                rest.append(combo)
+    return rest
+
+
+def inverse_mixup(seeds: SeedSet, n_out: int, N: int = 2, generator: Optional[torch.Generator] = None) -> SeedSet:
+    """Mix2FLD's inverse mixup (Eqs. 7-8): hard-labelled samples from N mixed seeds of N different devices.
+
+    A combination takes one seed of each rotation of a label cycle (for N = 2: labels
+    (a, b) with lam on a, and (b, a) from another device), all from different devices
+    (the paper's guard against restoring a raw sample). With W = :func:`inverse_ratios`,
+    output n = sum_r W[n, r] * seed_r has the hard label of base label n, so each
+    combination gives N outputs, one per label of the cycle ("by alternating lambda_hat
+    with n = 1 and 2"). ceil(n_out / N) combinations are made and the outputs cut to
+    n_out (so n_out = N_I * |D| for N_I per device).
+
+    Which combinations: in passes, each seed joining at most one new combination per
+    pass (partners in seeded random order), each pass's combinations shuffled, until
+    enough exist; no combination is made twice. So N_I = N_S uses each seed about
+    once and N_I = 2 N_S about twice. If a pass finds nothing new, the remaining
+    combinations of label cycles with at most ENUMERATE_LIMIT candidates are
+    enumerated. DataError when no combination exists or too few distinct ones do.
+    """
+    if generator is None:
+        raise ConfigError("inverse_mixup needs a seeded torch.Generator (derive_seed(seed, 'inverse-mixup'))")
+    if seeds.kind != "mixed":
+        raise ConfigError(f"inverse mixup combines mixed seeds (MixFLD Eq. 6); got {seeds.kind} seeds")
+    if seeds.labels.shape[1] != N or len(seeds.ratios) != N:
+        raise ConfigError(f"the seeds mix {seeds.labels.shape[1]} samples each; inverse mixup with N = {N} needs "
+                          f"seeds of N samples (set the seed mixing N and the inverse N alike)")
+    if n_out < 1:
+        raise ConfigError(f"the number of inversely mixed samples must be >= 1, got {n_out}")
+    w = inverse_ratios(seeds.ratios)
+    labels = seeds.labels.cpu().numpy()
+    owner = seeds.owner.cpu().numpy()
+    _check_soft_labels(seeds)
+    groups = _rotation_groups(labels)
+    need = -(-n_out // N)
+    made: set = set()
+    combos: List[Tuple[int, ...]] = []
+    while len(combos) < need:
+        fresh = _greedy_pass(groups, owner, made, generator) or _enumerate_rest(groups, owner, made)
+        if not fresh:
+            break
+        combos.extend(fresh[i] for i in torch.randperm(len(fresh), generator=generator).tolist())
+    if not combos:
+        raise DataError(
+            f"no valid inverse-mixup combination among {len(seeds)} mixed seeds of {len(np.unique(owner))} "
+            f"device(s): N = {N} seeds whose label tuples are rotations of one another, from {N} different "
+            f"devices, are needed. Use pairing='shared', more seeds per device, or more devices")
+    if len(combos) < need:
+        raise DataError(f"only {len(combos)} distinct inverse-mixup combinations exist ({N * len(combos)} samples), "
+                        f"fewer than the {n_out} asked for; lower N_I or upload more seeds (pairing='shared' "
+                        f"gives far more symmetric partners)")
+    combos = combos[:need]
+    parents = torch.tensor(combos, dtype=torch.long)                        # (k, N), ordered by rotation
+    k = len(combos)
+    xs = seeds.x[parents.reshape(-1).to(seeds.x.device)].double().reshape((k, N) + tuple(seeds.x.shape[1:]))
+    out_x = torch.einsum("nr,kr...->kn...", w.to(xs.device), xs).reshape((k * N,) + tuple(seeds.x.shape[1:]))
+    base = torch.tensor([labels[c[0]].tolist() for c in combos], dtype=torch.long)  # rotation 0 = base tuple
+    hard = base.reshape(-1)
+    coef = w.expand(k, N, N).reshape(k * N, N)                                  # (outputs, rotation)
+    par = parents.repeat_interleave(N, dim=0)
+    lam = torch.tensor(seeds.ratios, dtype=torch.float64)
+    weights = (coef[:, :, None] * lam[None, None, :]).reshape(k * N, N * N)
+    src_cid = seeds.source_cid.cpu()[par].reshape(k * N, N * N)
+    src_idx = seeds.source_index.cpu()[par].reshape(k * N, N * N)
+    keep = torch.arange(n_out)
+    return SeedSet(
+        x=out_x.to(seeds.x.dtype)[keep.to(out_x.device)],
+        y=F.one_hot(hard, seeds.num_classes).to(seeds.y.dtype).to(seeds.y.device)[keep.to(seeds.y.device)],
+        labels=hard[:, None][keep], source_cid=src_cid[keep], source_index=src_idx[keep],
+        weights=weights[keep], owner=torch.full((n_out,), -1, dtype=torch.long), index=keep.clone(),
+        kind="inverse", ratios=seeds.ratios, parents=par[keep], coef=coef[keep].clone())
+
+
+def _check_soft_labels(seeds: SeedSet) -> None:
+    """The inverse ratios assume Eq. 6's soft labels: lam_m on the m-th label of each tuple."""
+    lam = torch.tensor(seeds.ratios, dtype=torch.float64)
+    want = torch.zeros(len(seeds), seeds.num_classes, dtype=torch.float64)
+    want.scatter_(1, seeds.labels.cpu(), lam.expand(len(seeds), -1).clone())
+    if not torch.allclose(seeds.y.detach().cpu().double(), want, atol=1e-5):
+        raise DataError("the mixed seeds' soft labels do not match their label tuples and ratios "
+                        "(Eq. 6); make them with mixed_seeds() and collect them unchanged")
