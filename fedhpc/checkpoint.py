@@ -9,6 +9,12 @@ Layout under ``OUT/checkpoints``::
 
 A checkpoint directory is first written as ``round_N.partial`` and renamed only
 when every rank has finished, so ``LATEST`` never names an incomplete one.
+
+Resuming (:func:`load_latest_intact`) still checks what it reads: a checkpoint damaged
+after it was written (a truncated copy, a disk error, a deleted shard) is skipped with a
+warning in favour of the newest intact one among the ``KEEP`` kept; a checkpoint of a
+*different run* (other settings) is refused outright, because it means ``--out`` points
+at another experiment, not that a file broke.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
-from typing import Any, Dict, Optional
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -27,6 +35,7 @@ from .io import atomic_torch_save, atomic_write_json, atomic_write_text
 FORMAT = "fedhpc-checkpoint"
 VERSION = 1
 KEEP = 2
+_NAME = re.compile(r"^round_(\d+)$")
 
 
 def _sha256(path: str) -> str:
@@ -39,6 +48,30 @@ def _sha256(path: str) -> str:
 
 def checkpoint_root(out: str) -> str:
     return os.path.join(out, "checkpoints")
+
+
+def _rounds(root: str) -> List[Tuple[int, str]]:
+    """(round, name) of the complete checkpoint directories under ``root``, newest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), d) for d in os.listdir(root) if (m := _NAME.match(d))]
+    return sorted(found, reverse=True)
+
+
+def _prune(root: str, round_done: int) -> None:
+    """Keep the checkpoint just written and the KEEP-1 newest before it.
+
+    Checkpoints of a *later* round are deleted too: they exist only when this run resumed
+    from an older checkpoint past a corrupt newer one (or past one whose LATEST update a
+    crash prevented), so they belong to a history the run has abandoned, and ordering by
+    name would otherwise keep them and delete the fresh ones. Leftover ``.partial``
+    directories of crashed saves go as well (every rank is past its writes here).
+    """
+    older = [d for r, d in _rounds(root) if r < round_done][: KEEP - 1]
+    keep = {f"round_{round_done:06d}", *older}
+    for d in os.listdir(root):
+        if (_NAME.match(d) and d not in keep) or d.endswith(".partial"):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
 def save(out: str, round_done: int, world, server: Dict[str, Any], client_store=None) -> str:
@@ -68,15 +101,13 @@ def save(out: str, round_done: int, world, server: Dict[str, Any], client_store=
             shutil.rmtree(final)
         os.replace(partial, final)
         atomic_write_text(os.path.join(root, "LATEST"), name + "\n")
-        older = sorted(d for d in os.listdir(root) if d.startswith("round_") and not d.endswith(".partial"))
-        for d in older[:-KEEP]:
-            if d != name:
-                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        _prune(root, round_done)
     world.barrier()
     return final
 
 
 def latest(out: str) -> Optional[str]:
+    """The directory LATEST names (not checked), or None when there is no LATEST file."""
     path = os.path.join(checkpoint_root(out), "LATEST")
     if not os.path.exists(path):
         return None
@@ -84,25 +115,56 @@ def latest(out: str) -> Optional[str]:
     return os.path.join(checkpoint_root(out), name)
 
 
-def load(directory: str, identity: Dict[str, Any]) -> Dict[str, Any]:
-    """Read and validate a checkpoint; refuse corrupt or mismatched ones with a clear message."""
-    fix = (f"delete {os.path.dirname(directory)} to start afresh, or point --out at the run "
-           f"this checkpoint belongs to")
+class _Damaged(Exception):
+    """A checkpoint whose files are missing or broken: skipped by the fallback."""
+
+
+def _read(directory: str) -> Dict[str, Any]:
+    """The server body of an intact checkpoint, with ``client_state_dirs`` filled in.
+
+    Raises _Damaged (with the reason, naming the file) for anything a broken disk or an
+    interrupted copy can cause, and CheckpointError for a checkpoint of another format
+    version, which no fallback would cure.
+    """
     manifest_path = os.path.join(directory, "manifest.json")
     server_path = os.path.join(directory, "server.pt")
+    if not os.path.isdir(directory):
+        raise _Damaged(f"{directory} does not exist")
     try:
-        manifest = json.load(open(manifest_path))
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {directory} has no readable manifest.json ({e}); {fix}")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(f"{manifest_path} is not a fedhpc v{VERSION} checkpoint; {fix}")
-    if not os.path.exists(server_path) or _sha256(server_path) != manifest.get("server_sha256"):
+        raise _Damaged(f"{manifest_path} is missing or unreadable ({e})")
+    if manifest.get("format") != FORMAT:
+        raise _Damaged(f"{manifest_path} is not a fedhpc checkpoint manifest")
+    if manifest.get("version") != VERSION:
         raise CheckpointError(
-            f"checkpoint {server_path} is corrupt (missing, or its sha256 does not match manifest.json); {fix}")
+            f"{manifest_path} is a fedhpc checkpoint of format version {manifest.get('version')!r}, "
+            f"this fedhpc reads version {VERSION}; resume with the fedhpc version that wrote it, or "
+            f"use another --out")
+    if not os.path.exists(server_path):
+        raise _Damaged(f"{server_path} is missing")
+    if _sha256(server_path) != manifest.get("server_sha256"):
+        raise _Damaged(f"{server_path} is corrupt (its sha256 does not match manifest.json)")
     try:
         body = torch.load(server_path, map_location="cpu", weights_only=False)
-    except Exception as e:  # unreadable pickle/zip despite checksum: still refuse clearly
-        raise CheckpointError(f"checkpoint {server_path} cannot be read ({e}); {fix}")
+    except Exception as e:  # unreadable pickle/zip despite a matching checksum
+        raise _Damaged(f"{server_path} cannot be read ({e.__class__.__name__}: {e})")
+    if not isinstance(body, dict):
+        raise _Damaged(f"{server_path} does not hold a checkpoint body")
+    shards = [os.path.join(directory, "client_state", f"rank{r}")
+              for r in range(int(manifest.get("client_state_shards", 0)))]
+    missing = [d for d in shards if not os.path.isdir(d)]
+    if missing:
+        raise _Damaged(f"client-state shard {missing[0]} is missing ({len(missing)} of {len(shards)} "
+                       f"shards that manifest.json lists)")
+    body["client_state_dirs"] = shards
+    return body
+
+
+def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, Any]) -> None:
     if body.get("identity") != identity:
         saved, now = body.get("identity") or {}, identity
         diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}"
@@ -110,6 +172,115 @@ def load(directory: str, identity: Dict[str, Any]) -> Dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {directory} belongs to a different run ({'; '.join(diffs)}); resume with "
             f"the original settings, or use another --out for the new run")
-    body["client_state_dirs"] = [os.path.join(directory, "client_state", f"rank{r}")
-                                 for r in range(manifest.get("client_state_shards", 0))]
+
+
+def load(directory: str, identity: Dict[str, Any]) -> Dict[str, Any]:
+    """Read and validate one checkpoint; refuse corrupt or mismatched ones with a clear message."""
+    fix = (f"delete {os.path.dirname(directory)} to start afresh, or point --out at the run "
+           f"this checkpoint belongs to")
+    try:
+        body = _read(directory)
+    except _Damaged as e:
+        raise CheckpointError(f"checkpoint {directory} is corrupt: {e}; {fix}")
+    _check_identity(directory, body, identity)
     return body
+
+
+def _print_to_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _candidates(out: str) -> Tuple[List[str], List[str]]:
+    """Checkpoint directories to try, best first, and problems with LATEST itself.
+
+    LATEST's directory comes first (it is the newest *complete* one by construction);
+    then every other ``round_N`` directory, newest round first.
+    """
+    root = checkpoint_root(out)
+    names = [d for _, d in _rounds(root)]
+    problems: List[str] = []
+    first: Optional[str] = None
+    latest_path = os.path.join(root, "LATEST")
+    if os.path.exists(latest_path):
+        try:
+            with open(latest_path) as f:
+                first = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            problems.append(f"{latest_path} is unreadable ({e})")
+        if first is not None and first not in names:
+            problems.append(f"{latest_path} names {first!r}, which is not a checkpoint directory in {root}")
+            first = None
+    elif names:
+        problems.append(f"{latest_path} is missing")
+    order = ([first] if first else []) + [d for d in names if d != first]
+    return [os.path.join(root, d) for d in order], problems
+
+
+def _choose(out: str, identity: Dict[str, Any]):
+    """This rank's verdict: ("none",), ("use", directory, body, damaged) or ("error", message)."""
+    candidates, problems = _candidates(out)
+    if not candidates and not problems:
+        return ("none",)
+    damaged = list(problems)
+    for directory in candidates:
+        try:
+            body = _read(directory)
+        except _Damaged as e:
+            damaged.append(str(e))
+            continue
+        except CheckpointError as e:
+            return ("error", str(e))
+        try:
+            _check_identity(directory, body, identity)
+        except CheckpointError as e:
+            return ("error", str(e))
+        return ("use", directory, body, damaged)
+    root = checkpoint_root(out)
+    return ("error",
+            f"no intact checkpoint in {root}: {'; '.join(damaged)}. Restore those files (e.g. from "
+            f"a backup), or move {root} away and run again to start afresh from round 0")
+
+
+def load_latest_intact(
+    out: str,
+    identity: Dict[str, Any],
+    warn: Optional[Callable[[str], None]] = _print_to_stderr,
+    world=None,
+) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """(directory, body) of the newest intact checkpoint of this run, or None if there is none.
+
+    Tries LATEST's checkpoint, then the other kept ones, newest first. A damaged one
+    (manifest missing or unreadable, server.pt missing, sha256 mismatch or unreadable, a
+    client-state shard directory the manifest lists missing) is skipped, and ``warn`` gets
+    one message naming every skipped one and the one used. CheckpointError when every kept
+    checkpoint is damaged, or when the first intact one was written with other settings
+    (``identity`` differs): that is refused, never skipped, since it means --out holds
+    another run.
+
+    With a multi-rank ``world`` every rank must call it: only rank 0 warns, and the ranks
+    compare their verdicts (one object all-gather) so that they either all resume from the
+    same checkpoint or all raise the same error, instead of diverging or hanging when they
+    see different files (e.g. node-local disks).
+    """
+    verdict = _choose(out, identity)
+    if world is not None and getattr(world, "size", 1) > 1:
+        # Compare checkpoint names, not paths: ranks agree when they pick the same round.
+        summary = verdict[:2] if verdict[0] != "use" else ("use", os.path.basename(verdict[1]))
+        every = world.all_gather_object(summary)
+        errors = [v[1] for v in every if v[0] == "error"]
+        if errors:
+            raise CheckpointError(errors[0])
+        if any(v != every[0] for v in every):
+            raise CheckpointError(
+                f"the ranks see different checkpoints in {checkpoint_root(out)} "
+                f"({', '.join(f'rank {r}: {v[-1]}' for r, v in enumerate(every))}); --out must be on "
+                f"a file system every rank shares")
+    if verdict[0] == "error":
+        raise CheckpointError(verdict[1])
+    if verdict[0] == "none":
+        return None
+    _, directory, body, damaged = verdict
+    if damaged and warn is not None and (world is None or getattr(world, "rank", 0) == 0):
+        warn(f"skipping damaged checkpoint data: {'; '.join(damaged)}. Resuming from {directory} "
+             f"(round {body.get('round')}), the newest intact checkpoint of this run")
+    return directory, body

@@ -2,14 +2,19 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from conftest import FAST, REPO, clean_env, final_weights, launch, max_diff, mpiexec
+from fedhpc import checkpoint as ckpt
+from fedhpc.errors import CheckpointError
+from fedhpc.world import World
 
 ARGS = FAST[:]
 ARGS[ARGS.index("--rounds") + 1] = "40"
@@ -117,3 +122,245 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "no checkpoint" in p.stdout
     assert len(open(os.path.join(out, "metrics.jsonl")).readlines()) == 4
+
+
+# ------------------------------------------------ falling back past a damaged checkpoint
+# Unit tests of fedhpc.checkpoint on a single-process World, plus one 2-rank probe.
+
+IDENTITY = {"algo": "fedavg", "lr": 0.1, "seed": 3}
+
+
+class ShardStore:
+    """The one method checkpoint.save needs from the client-state store."""
+
+    def save_shard(self, directory):
+        os.makedirs(directory, exist_ok=True)
+        torch.save({"cid": 7}, os.path.join(directory, "7.pt"))
+
+
+def saved_run(tmp_path, rounds=(10, 20), identities=None, shards=True):
+    """OUT with one checkpoint per round; the global state of round r is filled with r."""
+    out = str(tmp_path / "run")
+    world = World(threads=1)
+    for r in rounds:
+        identity = (identities or {}).get(r, IDENTITY)
+        server = {"identity": identity, "global_state": torch.full((3,), float(r))}
+        ckpt.save(out, r, world, server, ShardStore() if shards else None)
+    return out
+
+
+def cdir(out, r):
+    return os.path.join(out, "checkpoints", f"round_{r:06d}")
+
+
+def flip_byte(path):
+    blob = bytearray(open(path, "rb").read())
+    blob[len(blob) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(blob))
+
+
+def unreadable_despite_checksum(d):
+    """server.pt replaced by junk, manifest updated to match: only torch.load can tell."""
+    server = os.path.join(d, "server.pt")
+    open(server, "wb").write(b"not a torch file at all")
+    manifest = json.load(open(os.path.join(d, "manifest.json")))
+    manifest["server_sha256"] = ckpt._sha256(server)
+    json.dump(manifest, open(os.path.join(d, "manifest.json"), "w"))
+
+
+CORRUPTIONS = {
+    "manifest_missing": lambda d: os.remove(os.path.join(d, "manifest.json")),
+    "manifest_garbage": lambda d: open(os.path.join(d, "manifest.json"), "w").write("{ truncated"),
+    "manifest_not_fedhpc": lambda d: open(os.path.join(d, "manifest.json"), "w").write("[1, 2]"),
+    "sha_mismatch": lambda d: flip_byte(os.path.join(d, "server.pt")),
+    "server_missing": lambda d: os.remove(os.path.join(d, "server.pt")),
+    "server_unreadable": unreadable_despite_checksum,
+    "shard_missing": lambda d: shutil.rmtree(os.path.join(d, "client_state", "rank0")),
+    "directory_gone": lambda d: shutil.rmtree(d),  # LATEST names a directory that is not there
+}
+# The words each warning must carry so a user knows what broke.
+REASON = {"manifest_missing": "manifest.json", "manifest_garbage": "manifest.json",
+          "manifest_not_fedhpc": "manifest.json", "sha_mismatch": "sha256",
+          "server_missing": "server.pt is missing", "server_unreadable": "cannot be read",
+          "shard_missing": "rank0", "directory_gone": "LATEST names"}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_damaged_newest_falls_back_to_the_older_one_with_a_warning(tmp_path, kind):
+    out = saved_run(tmp_path)
+    CORRUPTIONS[kind](cdir(out, 20))
+    warnings = []
+    directory, body = ckpt.load_latest_intact(out, IDENTITY, warn=warnings.append)
+    assert directory == cdir(out, 10)
+    assert body["round"] == 10 and body["global_state"].tolist() == [10.0] * 3
+    assert body["client_state_dirs"] == [os.path.join(cdir(out, 10), "client_state", "rank0")]
+    assert len(warnings) == 1
+    assert "round_000020" in warnings[0] and cdir(out, 10) in warnings[0], warnings[0]
+    assert REASON[kind] in warnings[0], warnings[0]
+    # load() on the damaged one alone still refuses it, naming it
+    if kind != "directory_gone":
+        with pytest.raises(CheckpointError, match="round_000020.*corrupt"):
+            ckpt.load(cdir(out, 20), IDENTITY)
+
+
+def test_intact_newest_is_used_silently(tmp_path):
+    out = saved_run(tmp_path)
+    warnings = []
+    directory, body = ckpt.load_latest_intact(out, IDENTITY, warn=warnings.append)
+    assert directory == cdir(out, 20) == ckpt.latest(out) and body["round"] == 20
+    assert body["global_state"].tolist() == [20.0] * 3 and warnings == []
+    assert ckpt.load(directory, IDENTITY)["round"] == 20
+
+
+def test_no_checkpoint_gives_none(tmp_path):
+    assert ckpt.load_latest_intact(str(tmp_path / "nothing"), IDENTITY) is None
+    os.makedirs(tmp_path / "empty" / "checkpoints")
+    assert ckpt.load_latest_intact(str(tmp_path / "empty"), IDENTITY) is None
+
+
+def test_default_warning_goes_to_stderr(tmp_path, capsys):
+    out = saved_run(tmp_path)
+    flip_byte(os.path.join(cdir(out, 20), "server.pt"))
+    directory, _ = ckpt.load_latest_intact(out, IDENTITY)
+    cap = capsys.readouterr()
+    assert directory == cdir(out, 10) and cap.out == ""
+    assert cap.err.startswith("warning:") and "round_000020" in cap.err and cdir(out, 10) in cap.err
+
+
+def test_missing_latest_file_uses_newest_intact_directory(tmp_path):
+    out = saved_run(tmp_path)
+    os.remove(os.path.join(out, "checkpoints", "LATEST"))
+    warnings = []
+    directory, _ = ckpt.load_latest_intact(out, IDENTITY, warn=warnings.append)
+    assert directory == cdir(out, 20) and "LATEST is missing" in warnings[0]
+
+
+def test_latest_is_the_authority_when_intact(tmp_path):
+    """LATEST names the last save that completed; a directory of a later round (a crash
+    between its rename and the LATEST update) is only a fallback candidate."""
+    out = saved_run(tmp_path)
+    open(os.path.join(out, "checkpoints", "LATEST"), "w").write("round_000010\n")
+    directory, _ = ckpt.load_latest_intact(out, IDENTITY, warn=pytest.fail)
+    assert directory == cdir(out, 10)
+
+
+def test_every_checkpoint_damaged_is_refused_naming_each(tmp_path):
+    out = saved_run(tmp_path)
+    flip_byte(os.path.join(cdir(out, 20), "server.pt"))
+    os.remove(os.path.join(cdir(out, 10), "manifest.json"))
+    warnings = []
+    with pytest.raises(CheckpointError) as e:
+        ckpt.load_latest_intact(out, IDENTITY, warn=warnings.append)
+    msg = str(e.value)
+    assert "no intact checkpoint" in msg
+    assert os.path.join(cdir(out, 20), "server.pt") in msg
+    assert os.path.join(cdir(out, 10), "manifest.json") in msg
+    assert "start afresh" in msg and warnings == []
+
+
+def test_other_runs_checkpoint_is_refused_not_skipped(tmp_path):
+    """Newest written with other settings, older one matching: still refused (--out holds
+    another run), and the message names the differing setting."""
+    out = saved_run(tmp_path, identities={20: dict(IDENTITY, lr=0.5)})
+    with pytest.raises(CheckpointError, match=r"different run \(lr: checkpoint 0.5 vs now 0.1\)"):
+        ckpt.load_latest_intact(out, IDENTITY, warn=pytest.fail)
+    # and after skipping a damaged newest, a mismatched older one is refused too
+    out2 = saved_run(tmp_path / "b", identities={10: dict(IDENTITY, seed=4)})
+    flip_byte(os.path.join(cdir(out2, 20), "server.pt"))
+    with pytest.raises(CheckpointError, match="different run.*seed"):
+        ckpt.load_latest_intact(out2, IDENTITY, warn=lambda m: None)
+
+
+def test_other_format_version_is_refused_not_skipped(tmp_path):
+    out = saved_run(tmp_path)
+    path = os.path.join(cdir(out, 20), "manifest.json")
+    manifest = json.load(open(path))
+    manifest["version"] = ckpt.VERSION + 1
+    json.dump(manifest, open(path, "w"))
+    with pytest.raises(CheckpointError, match="format version"):
+        ckpt.load_latest_intact(out, IDENTITY, warn=pytest.fail)
+
+
+def test_save_after_fallback_drops_the_abandoned_newer_checkpoint(tmp_path):
+    """Resumed from round 10 past a damaged round 20, the run saves round 11: round 20 is
+    from an abandoned history, so it goes, and the kept ones are 11 and 10 (by round, not
+    by name order, which would have deleted round 10 and kept the damaged 20)."""
+    out = saved_run(tmp_path)
+    flip_byte(os.path.join(cdir(out, 20), "server.pt"))
+    os.makedirs(os.path.join(out, "checkpoints", "round_000015.partial"))  # a crashed save
+    ckpt.save(out, 11, World(threads=1), {"identity": IDENTITY, "global_state": torch.zeros(3)})
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["LATEST", "round_000010", "round_000011"]
+    directory, body = ckpt.load_latest_intact(out, IDENTITY, warn=pytest.fail)
+    assert directory == cdir(out, 11) and body["client_state_dirs"] == []
+
+
+class FakeWorld:
+    """Rank ``rank`` of ``size``; all_gather_object answers with ``others`` around our own."""
+
+    def __init__(self, rank, size, others):
+        self.rank, self.size, self.others = rank, size, others
+
+    def all_gather_object(self, obj):
+        every = list(self.others)
+        every.insert(self.rank, obj)
+        return every
+
+
+def test_only_rank_zero_warns_and_ranks_must_agree(tmp_path):
+    out = saved_run(tmp_path)
+    flip_byte(os.path.join(cdir(out, 20), "server.pt"))
+    same = ("use", "round_000010")
+    for rank, expect in ((0, 1), (1, 0)):
+        warnings = []
+        directory, _ = ckpt.load_latest_intact(out, IDENTITY, warn=warnings.append,
+                                               world=FakeWorld(rank, 2, [same]))
+        assert directory == cdir(out, 10) and len(warnings) == expect
+    with pytest.raises(CheckpointError, match="ranks see different checkpoints"):
+        ckpt.load_latest_intact(out, IDENTITY, world=FakeWorld(0, 2, [("use", "round_000020")]))
+    with pytest.raises(CheckpointError, match="peer's problem"):
+        ckpt.load_latest_intact(out, IDENTITY, world=FakeWorld(1, 2, [("error", "peer's problem")]))
+
+
+def test_two_ranks_fall_back_together(tmp_path):
+    """Real ranks: collective save with a shard per rank, damaged newest -> both ranks use
+    the older one, only rank 0 warns; private copies that agree are fine; copies that
+    differ (node-local disks) make both ranks refuse instead of diverging or hanging."""
+    if mpiexec() is None:
+        pytest.skip("no mpiexec")
+    probe = os.path.join(REPO, "tests", "checkpoint_probe.py")
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, probe, str(tmp_path)], cwd=REPO,
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = [json.load(open(tmp_path / f"result{r}.json")) for r in (0, 1)]
+    assert [r["size"] for r in res] == [2, 2]
+    for r, rec in enumerate(res):
+        assert rec["fallback"]["directory"] == "round_000010" and rec["fallback"]["round"] == 10
+        assert rec["fallback"]["shards"] == ["client_state/rank0", "client_state/rank1"]
+        assert len(rec["fallback"]["warnings"]) == (1 if r == 0 else 0)
+        assert rec["same"]["directory"] == "round_000020" and rec["same"]["warnings"] == []
+        assert "ranks see different checkpoints" in rec["divergent"]["error"]
+    w = res[0]["fallback"]["warnings"][0]
+    assert "round_000020" in w and "round_000010" in w
+
+
+def test_resume_past_a_corrupt_checkpoint_end_to_end(tmp_path, uninterrupted):
+    """Rounds 20 and 30 kept; round 30 damaged; --resume continues from round 20 with a
+    warning naming both, and ends with the uninterrupted run's model and metrics.
+    (Needs Engine.restore to call checkpoint.load_latest_intact.)"""
+    out = str(tmp_path / "run")
+    short = ARGS[:]
+    short[short.index("--rounds") + 1] = "30"
+    short[short.index("--checkpoint-every") + 1] = "10"
+    assert launch(short + ["--out", out]).returncode == 0
+    assert sorted(d for d in os.listdir(os.path.join(out, "checkpoints")) if d != "LATEST") == \
+        ["round_000020", "round_000030"]
+    flip_byte(os.path.join(cdir(out, 30), "server.pt"))
+    p = launch(ARGS + ["--out", out, "--resume", "--checkpoint-every", "10"])
+    assert p.returncode == 0, p.stderr
+    assert "round_000030" in p.stderr and "round_000020" in p.stderr and "warning" in p.stderr
+    assert max_diff(final_weights(uninterrupted), final_weights(out)) <= 1e-5
+    a, b = strip_timing(metrics(uninterrupted)), strip_timing(metrics(out))
+    assert [r["round"] for r in b] == list(range(1, 41))
+    for x, y in zip(a, b):
+        for k in x:
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), k
