@@ -68,3 +68,151 @@ def test_partition_leaving_client_without_data_is_refused():
         make_partition("dirichlet:0.01", LABELS, 50, seed=0, min_samples=2)
     with pytest.raises(DataError, match="covers only"):
         make_partition("classes:1", LABELS, 5, seed=0)
+
+
+# ----------------------------------------------------------------- classes:K (random draw)
+
+import functools
+import hashlib
+import itertools
+from collections import Counter
+from math import gcd
+
+POOL = np.repeat(np.arange(10), 30)  # 300 samples, 10 classes of 30
+np.random.default_rng(7).shuffle(POOL)
+
+
+def class_sets(parts, labels):
+    return [tuple(np.unique(labels[p]).tolist()) for p in parts]
+
+
+@functools.lru_cache(maxsize=1)
+def fedmix_cifar10_shape_over_seeds(seeds=400):
+    """Client class sets of classes:2 with N = 60, C = 10 for seeds 0..seeds-1."""
+    return [class_sets(make_partition("classes:2", POOL, 60, seed), POOL) for seed in range(seeds)]
+
+
+def check_classes_partition(parts, labels, n, k):
+    """The contract of both classes variants, checked from the output alone."""
+    c = len(np.unique(labels))
+    assert len(parts) == n
+    assert_exact_cover(parts, len(labels))
+    sets = class_sets(parts, labels)
+    assert all(len(s) == k for s in sets), "K distinct classes per client"
+    holders = Counter(cl for s in sets for cl in s)
+    assert sorted(holders) == list(range(c)), "every class has a holder"
+    assert sum(holders.values()) == n * k
+    assert max(holders.values()) - min(holders.values()) <= 1, holders
+    for cl in range(c):  # each class split evenly over its holders
+        sizes = [int((labels[p] == cl).sum()) for p in parts if (labels[p] == cl).any()]
+        assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("spec", ["classes", "classes_cyclic"])
+@pytest.mark.parametrize("n,k", [(60, 2), (7, 3), (10, 10), (5, 2), (1, 10), (13, 4)])
+def test_classes_contract(spec, n, k):
+    parts = make_partition(f"{spec}:{k}", POOL, n, seed=11)
+    check_classes_partition(parts, POOL, n, k)
+
+
+def test_classes_never_gets_stuck_on_any_small_shape():
+    """Every (C, K, N) with N*K >= C up to 12 classes / 12 clients: the quota invariant of
+    the docstring means the draw always completes with the full contract."""
+    for c in range(2, 13):
+        labels = np.repeat(np.arange(c), 13)
+        for k in range(1, c + 1):
+            for n in range(-(-c // k), 13):
+                parts = make_partition(f"classes:{k}", labels, n, seed=n * 100 + k)
+                check_classes_partition(parts, labels, n, k)
+
+
+def test_classes_gives_many_distinct_class_sets():
+    """FedMix's CIFAR-10 shape (N=60, K=2, C=10): the cyclic deal has exactly 5 pairs
+    (C/gcd(K, C)); a random draw holds about 35 of the 45 possible pairs."""
+    for seed in range(8):
+        cyclic = class_sets(make_partition("classes_cyclic:2", POOL, 60, seed), POOL)
+        assert len(set(cyclic)) == 10 // gcd(2, 10)
+        drawn = class_sets(make_partition("classes:2", POOL, 60, seed), POOL)
+        assert len(set(drawn)) >= 25, (seed, len(set(drawn)))
+
+
+def test_classes_draw_is_unbiased_over_seeds():
+    """Every class pair is equally likely for a client (classes are exchangeable): over
+    400 seeds x 60 clients each of the 45 pairs shows up 533 times in expectation (the
+    spread measured over other seed ranges is about 4%). A draw that favoured some classes
+    (e.g. low ids on ties, or weights other than the remaining quota) would not pass."""
+    counts = Counter()
+    for sets in fedmix_cifar10_shape_over_seeds():
+        counts.update(sets)
+    pairs = list(itertools.combinations(range(10), 2))
+    expected = 400 * 60 / len(pairs)
+    assert set(counts) == set(pairs)
+    assert all(0.8 * expected < counts[p] < 1.2 * expected for p in pairs), counts
+    # and not a fixed rotation either: client 0's pair varies with the seed
+    firsts = {sets[0] for sets in fedmix_cifar10_shape_over_seeds()[:30]}
+    assert len(firsts) >= 10
+
+
+def test_classes_first_and_last_client_draw_every_class_alike():
+    """Per client position the draw is fair too: over 400 seeds the first and the last
+    client hold each class about 400 * K/C = 80 times (binomial sd 8; bounds +-30). A
+    weighting that favoured a class would give it to early clients and starve late ones."""
+    first, last = Counter(), Counter()
+    for sets in fedmix_cifar10_shape_over_seeds():
+        first.update(sets[0])
+        last.update(sets[-1])
+    for counts in (first, last):
+        assert sorted(counts) == list(range(10))
+        assert all(50 <= v <= 110 for v in counts.values()), counts
+
+
+def test_classes_is_seeded():
+    a = make_partition("classes:3", POOL, 13, seed=5)
+    b = make_partition("classes:3", POOL, 13, seed=5)
+    c = make_partition("classes:3", POOL, 13, seed=6)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def _digest(parts):
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(np.asarray(p, np.int64).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("k,n,seed,digest", [
+    (2, 60, 0, "778505bcfb4a4b91"), (2, 13, 3, "b8bd908f31efc3a8"),
+    (3, 60, 0, "c57a80a5e25ff852"), (3, 13, 3, "31d314766c105a29"),
+])
+def test_classes_cyclic_is_the_old_classes_scheme_unchanged(k, n, seed, digest):
+    """Digests of the partitions the former ``classes:K`` gave (computed from it before
+    it became a random draw), and its round-robin structure recomputed here."""
+    parts = make_partition(f"classes_cyclic:{k}", POOL, n, seed)
+    assert _digest(parts) == digest
+    # Round-robin over one class order: the sets repeat with period C/gcd(K, C), and one
+    # period deals every class exactly K/gcd(K, C) times.
+    sets = [frozenset(s) for s in class_sets(parts, POOL)]
+    period = 10 // gcd(k, 10)
+    assert all(sets[i] == sets[i + period] for i in range(n - period))
+    if n >= period:
+        assert len(set(sets)) == period
+        once = Counter(cl for s in sets[:period] for cl in s)
+        assert set(once.values()) == {k // gcd(k, 10)}
+
+
+@pytest.mark.parametrize("spec,err", [
+    ("classes_cyclic:0", ConfigError), ("classes_cyclic:11", ConfigError),
+    ("classes_cyclic:x", ConfigError), ("classes:2.5", ConfigError),
+])
+def test_bad_classes_specs_are_refused(spec, err):
+    with pytest.raises(err, match=spec.split(":")[0]):
+        make_partition(spec, LABELS, 10, seed=0)
+    with pytest.raises(DataError, match="covers only"):
+        make_partition("classes_cyclic:1", LABELS, 5, seed=0)
+
+
+def test_partition_help_names_both_classes_schemes():
+    from fedhpc.data.partition import partition_help
+    assert "classes:K" in partition_help() and "classes_cyclic:K" in partition_help()

@@ -6,8 +6,14 @@ number of ranks.
 
 Specs: ``iid``; ``dirichlet:ALPHA`` (per-class proportions drawn from
 Dir(ALPHA) over clients, as in FedAlign and most label-skew studies);
-``classes:K`` (every client holds K distinct classes, each class split evenly
-over the clients holding it, as in FedMix / pMixFed).
+``classes:K`` (every client holds K distinct, randomly drawn classes, as in FedMix:
+"each client only has data from 2 (20 for CIFAR100) randomly chosen classes", and
+pMixFed); ``classes_cyclic:K`` (the scheme ``classes:K`` meant before: K
+consecutive classes of one seeded class order, dealt round-robin, so at most
+C/gcd(K, C) distinct class sets exist; kept to reproduce runs made with it).
+
+Both ``classes`` variants balance the number of clients holding each class (the
+counts differ by at most one) and split each class evenly over its holders.
 
 Exception: ``skewed:M:A:B`` / ``mix2fld`` deal *fixed counts* per client (Mix2FLD:
 "each device has two labels with 2 samples each and the other labels with 62
@@ -109,34 +115,99 @@ def _dirichlet(labels, n, rng, arg):
     return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
 
 
-@register_partition("classes", ":K")
-def _classes(labels, n, rng, arg):
+def _parse_classes(labels, n, arg: str, name: str):
+    """The class list and K of ``name:K``; refuses K out of range and uncovered classes."""
     try:
         k = int(arg)
     except ValueError:
-        raise ConfigError(f"partition 'classes:{arg}' needs an integer, e.g. classes:2")
+        raise ConfigError(f"partition '{name}:{arg}' needs an integer, e.g. {name}:2")
     classes = np.unique(labels)
     c = len(classes)
     if not 1 <= k <= c:
-        raise ConfigError(f"classes:K needs 1 <= K <= {c} (the number of classes), got {k}")
+        raise ConfigError(f"{name}:K needs 1 <= K <= {c} (the number of classes), got {k}")
     if n * k < c:
         raise DataError(
-            f"classes:{k} with {n} clients covers only {n * k} of {c} classes, so some samples "
+            f"{name}:{k} with {n} clients covers only {n * k} of {c} classes, so some samples "
             f"would belong to no client; raise K or --num-clients to at least {-(-c // k)}"
         )
-    # Deal the classes round-robin over a seeded class order: client i gets K consecutive
-    # (distinct, since K <= C) classes, and every class is held by n*K/C clients (+-1).
-    order = rng.permutation(classes)
-    holders: Dict[int, List[int]] = {int(cl): [] for cl in classes}
-    for i in range(n):
-        for j in range(k):
-            holders[int(order[(i * k + j) % c])].append(i)
+    return classes, k
+
+
+def _split_classes(labels, n, rng, holders: Dict[int, List[int]]) -> List[np.ndarray]:
+    """Every class's samples, shuffled, split evenly (+-1) over the clients holding it."""
     parts: List[List[np.ndarray]] = [[] for _ in range(n)]
     for cl, owners in holders.items():
         idx = rng.permutation(np.flatnonzero(labels == cl))
         for owner, chunk in zip(owners, np.array_split(idx, len(owners))):
             parts[owner].append(chunk)
     return [np.concatenate(p) for p in parts]
+
+
+@register_partition("classes", ":K (K random classes per client)")
+def _classes(labels, n, rng, arg):
+    """K distinct classes per client, drawn at random under balanced per-class quotas.
+
+    The papers draw each client's classes at random (FedMix Sec. 4: "each client only has
+    data from 2 (20 for CIFAR100) randomly chosen classes"). A fully independent draw would
+    leave some classes with many holders and others with none (unassigned samples), so
+    the draw is constrained: every class gets a quota of holders, floor(N*K/C) or one more
+    (the +1 goes to a seeded random subset of classes), and the quotas sum to N*K. Clients
+    are then served in order; client i takes
+
+    1. every *forced* class, whose remaining quota equals the number of clients left
+       (including i): each of them must go to every remaining client, and
+    2. the rest of its K classes one at a time, each drawn with probability proportional
+       to its remaining quota among the classes it does not hold yet.
+
+    It never gets stuck. Invariant before client i, with r = N - i clients left: the
+    quotas sum to r*K and none exceeds r. Hence at least K classes have a positive quota
+    (fewer than K classes of quota <= r sum to less than r*K) and at most K are forced
+    (K+1 classes of quota r would sum to more than r*K), so step 1 fits in K and step 2
+    finds enough positive quotas. After the client every forced class dropped to r - 1,
+    every other class was already <= r - 1, and the sum fell by exactly K: the invariant
+    holds for r - 1. At the start the quotas are <= ceil(N*K/C) <= N because K <= C. At
+    the end every quota is 0, so each class has exactly its quota of holders (counts
+    differ by at most 1) and, since every quota is >= 1 (N*K >= C is checked), every
+    sample has an owner.
+
+    Drawing by remaining quota (rather than taking the K largest, a round-robin in
+    disguise) keeps the draw close to the papers' independent one: with N = 60, K = 2,
+    C = 10 the clients hold about 35 of the 45 possible pairs (60 independent uniform
+    draws give about 33), where ``classes_cyclic`` gives 5 pairs shared by 12 clients each.
+    """
+    classes, k = _parse_classes(labels, n, arg, "classes")
+    c = len(classes)
+    quota = np.full(c, (n * k) // c, dtype=np.int64)
+    quota[rng.permutation(c)[: (n * k) % c]] += 1
+    holders: Dict[int, List[int]] = {int(cl): [] for cl in classes}
+    for i in range(n):
+        left = n - i
+        chosen = list(np.flatnonzero(quota == left))
+        while len(chosen) < k:
+            w = quota.astype(np.float64)
+            w[chosen] = 0.0
+            # Inverse-CDF draw on the integer quotas: exact, and one uniform per pick.
+            cum = np.cumsum(w)
+            chosen.append(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")))
+        for j in chosen:
+            quota[j] -= 1
+            holders[int(classes[j])].append(i)
+    return _split_classes(labels, n, rng, holders)
+
+
+@register_partition("classes_cyclic", ":K (K consecutive classes, round-robin)")
+def _classes_cyclic(labels, n, rng, arg):
+    """The earlier ``classes:K``, unchanged: clients take K consecutive classes of one
+    seeded class order, round-robin, so every class is held by N*K/C clients (+-1) but
+    at most C/gcd(K, C) distinct class sets exist (5 pairs for K = 2, C = 10)."""
+    classes, k = _parse_classes(labels, n, arg, "classes_cyclic")
+    c = len(classes)
+    order = rng.permutation(classes)
+    holders: Dict[int, List[int]] = {int(cl): [] for cl in classes}
+    for i in range(n):
+        for j in range(k):
+            holders[int(order[(i * k + j) % c])].append(i)
+    return _split_classes(labels, n, rng, holders)
 
 
 def _parse_skewed(arg: str):
