@@ -69,6 +69,23 @@ class ClientStateStore:
         self.pop(cid)
         self._insert(cid, _to_cpu(state))
 
+    # A client's state is a dict of named slots, so the algorithm ("algo": what
+    # ctx.save_state keeps) and the engine ("device_model": the model a device kept
+    # after a downlink outage) can both keep something for the same client.
+    def get_slot(self, cid: int, slot: str, default: Any = None) -> Any:
+        state = self.get(cid)
+        return default if state is None or slot not in state else state[slot]
+
+    def put_slot(self, cid: int, slot: str, value: Any) -> None:
+        """Set (or, with None, drop) one slot of client ``cid``'s state; copies only ``value``."""
+        state = self.pop(cid) or {}
+        if value is None:
+            state.pop(slot, None)
+        else:
+            state[slot] = _to_cpu(value)
+        if state:
+            self._insert(cid, state)
+
     def pop(self, cid: int) -> Optional[Any]:
         if cid in self._mem:
             state = self._mem.pop(cid)

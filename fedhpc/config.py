@@ -53,9 +53,15 @@ class RunConfig:
     collective_timeout: float = field(default=600.0, metadata={"help": "seconds a collective waits for peers before declaring a rank dead"})
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files (rank 0) under --out"})
     quiet: bool = field(default=False, metadata={"help": "no per-round progress lines"})
+    local_eval: bool = field(default=True, metadata={"help": "every eval round, evaluate the model each client would use on its own local test split (local_test_accuracy)"})
+    channel: str = field(default="none", metadata={"help": "wireless channel model (Mix2FLD Sec. II-C): none | symmetric | asymmetric; parameters with --channel-opt k=v"})
+    stop_epsilon: float = field(default=0.0, metadata={"help": "stop when the global state's relative change |G_p - G_p-1| / |G_p-1| falls below this (Mix2FLD; 0 = off)"})
     algo_options: Dict[str, Any] = field(default_factory=dict)
     data_options: Dict[str, Any] = field(default_factory=dict)
     model_options: Dict[str, Any] = field(default_factory=dict)
+    channel_options: Dict[str, Any] = field(default_factory=dict)
+    #: what a paper reports for this setting (paper, table, row, metric, value): read by fedhpc.report
+    reference: Dict[str, Any] = field(default_factory=dict)
 
     # Fields that define *what* is computed: a checkpoint may only be resumed under the
     # same values. The others (rounds, cadence, threads, device, out...) may change.
@@ -63,7 +69,7 @@ class RunConfig:
         "algo", "dataset", "model", "partition", "num_clients", "clients_per_round",
         "local_epochs", "batch_size", "lr", "lr_decay", "optimizer", "momentum",
         "weight_decay", "grad_clip", "client_test_fraction", "seed", "algo_options",
-        "data_options", "model_options",
+        "data_options", "model_options", "channel", "channel_options", "stop_epsilon",
     )
 
     def validate(self) -> None:
@@ -96,6 +102,10 @@ class RunConfig:
         need(self.collective_timeout > 0, "--collective-timeout must be positive")
         need(self.seed >= 0, f"--seed must be non-negative, got {self.seed}")
         need(not self.resume or bool(self.out), "--resume needs --out DIR (the folder holding the checkpoints)")
+        need(self.channel in ("none", "symmetric", "asymmetric"),
+             f"--channel must be none, symmetric or asymmetric, got {self.channel!r}")
+        need(math.isfinite(self.stop_epsilon) and self.stop_epsilon >= 0,
+             f"--stop-epsilon must be >= 0 (0 = off), got {self.stop_epsilon}")
 
     def to_dict(self) -> Dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -245,6 +255,8 @@ def parse_args(argv: Optional[List[str]] = None):
     _add_dataclass_flags(parser.add_argument_group("run"), RunConfig)
     parser.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="dataset option (repeatable)")
     parser.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model option (repeatable)")
+    parser.add_argument("--channel-opt", action="append", metavar="KEY=VALUE",
+                        help="channel parameter, e.g. p_up_dbm=30 (repeatable; see fedhpc/server/channel.py)")
     algo_flags = []
     if algo_cls.Options is not None:
         algo_flags = _add_dataclass_flags(parser.add_argument_group(f"{algo_name} options"), algo_cls.Options)
@@ -254,7 +266,7 @@ def parse_args(argv: Optional[List[str]] = None):
     for k in valid_keys:
         if k in args:
             values[k] = args[k]
-    for k in ("algo_options", "data_options", "model_options"):
+    for k in ("algo_options", "data_options", "model_options", "channel_options", "reference"):
         v = values.get(k) or {}
         if not isinstance(v, dict):
             raise ConfigError(f"{k} must be a mapping of option: value, got {v!r}")
@@ -262,6 +274,7 @@ def parse_args(argv: Optional[List[str]] = None):
     values["algo_options"].update({k: args[k] for k in algo_flags if k in args})
     values["data_options"].update(_parse_kv(args.get("data_opt"), "--data-opt"))
     values["model_options"].update(_parse_kv(args.get("model_opt"), "--model-opt"))
+    values["channel_options"].update(_parse_kv(args.get("channel_opt"), "--channel-opt"))
 
     hints = get_type_hints(RunConfig)
     cfg = RunConfig(**{k: (_coerce(v, hints[k], _flag(k)) if hints[k] in (int, float, str, bool) else v)

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
@@ -18,9 +19,9 @@ import torch
 
 from . import checkpoint
 from .algorithms import ALGORITHMS, ClientContext, RoundInfo, load_algorithm_modules
-from .algorithms.base import derive_seed, task_loss
+from .algorithms.base import Upload, derive_seed, seed_torch, task_loss
 from .client_state import ClientStateStore
-from .config import RunConfig
+from .config import RunConfig, build_options
 from .data import ClientData, build_dataset
 from .errors import CheckpointError, ConfigError, NonFiniteLossError
 from .flat import FlatModel
@@ -35,6 +36,17 @@ EXIT_PREEMPTED = 75
 class Preempted(Exception):
     def __init__(self, round_done: int):
         self.round_done = round_done
+
+
+def to_device(obj, device):
+    """``obj`` (nested dicts / lists / tuples of tensors) with every tensor moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
 
 
 def sample_clients(seed: int, round_index: int, num_clients: int, k: int) -> List[int]:
@@ -80,21 +92,38 @@ class Engine:
         self.algo = algo_cls(cfg, algo_options, self.model, self.flat, self.data, world, self.client_state)
         self.algo.setup()
 
-        # Layout of the one buffer all-reduced per round: the algorithm's uploads, then metrics.
-        self.upload_slices: Dict[str, Tuple[slice, str]] = {}
+        # The channel model (Mix2FLD Sec. II-C): per device and round, seeded; "none" lets
+        # everything through. Downlink outages leave devices on their own models, which the
+        # client-state store keeps, so the store is in use whenever the channel is.
+        from .server.channel import Channel, ChannelOptions
+        self.channel = Channel(cfg.channel, build_options(ChannelOptions, cfg.channel_options, "channel"), cfg.seed)
+        self.channel_active = cfg.channel != "none"
+        self.uses_store = self.algo.uses_client_state or self.channel_active
+        self.algo.channel_active = self.channel_active
+
+        # Layout of the one buffer all-reduced per round: the algorithm's uploads, then
+        # metrics, then (with a channel) one row per sampled client, then the ledger.
+        self.uploads: Dict[str, Tuple[slice, Upload]] = {}
         offset = 0
-        for name, (numel, kind) in self.algo.upload_spec().items():
-            self.upload_slices[name] = (slice(offset, offset + numel), kind)
-            offset += numel
-        self.metric_slots = ["weight", "loss_sum", "samples", "nonfinite", "stop"]
+        for name, spec in self.algo.upload_spec().items():
+            self.uploads[name] = (slice(offset, offset + spec.numel), spec)
+            offset += spec.numel
+        self.metric_slots = ["weight", "loss_sum", "samples", "nonfinite", "stop", "compute_s"]
         self.metric_offset = offset
-        self.ledger_offset = offset + len(self.metric_slots)
+        self.link_offset = offset + len(self.metric_slots)
+        #: per sampled client: uplink ok, downlink ok, uplink s, downlink s, compute s
+        self.link_fields = 5 if self.channel_active else 0
+        self.ledger_offset = self.link_offset + self.link_fields * cfg.clients_per_round
         n_ledger = 2 * len(self.algo.ledger_kinds)
         # float64 so the weighted sums barely depend on summation order, i.e. on the rank count.
         self.round_buffer = torch.zeros(self.ledger_offset + n_ledger, dtype=torch.float64,
                                         device=world.device)
+        self.reference_device = derive_seed(cfg.seed, "reference_device") % self.data.num_clients
+        self.sim_seconds_total = 0.0
         self.start_round = 0
+        self.stop_round = cfg.rounds  # earlier when --stop-epsilon is met
         self.cum_bytes = {"bytes_up_total": 0.0, "bytes_down_total": 0.0}
+        self._previous_convergence_state: Optional[torch.Tensor] = None
         self._stop_signal: Optional[int] = None
         self._tb = None
         self._metrics_file = None
@@ -110,7 +139,7 @@ class Engine:
         assignment = assign_clients(sampled, self.sizes, world.size)
         mine = [c for c in sampled if assignment[c] == world.rank]
         rnd = RoundInfo(t, sampled, mine, cfg.lr * cfg.lr_decay ** t)
-        if algo.uses_client_state:
+        if self.uses_store:
             self.client_state.migrate(assignment)
         algo.global_state = self.global_state
         algo.ledger.reset()  # before round_begin: traffic booked during its exchanges counts
@@ -119,30 +148,42 @@ class Engine:
         buf = self.round_buffer
         buf.zero_()
         nonfinite: List[int] = []
+        position = {cid: i for i, cid in enumerate(sampled)}
         self.model.train()
         for cid in mine:
+            c0 = time.perf_counter()
             client = self._to_device(self.data.client(cid))
-            torch.manual_seed(derive_seed(cfg.seed, "client", t, cid))  # dropout etc.
+            seed_torch(derive_seed(cfg.seed, "client", t, cid), world.device)  # dropout etc.
             self.flat.load_(self.global_state)
             ctx = ClientContext(algo, cid, client, rnd)
+            traffic_before = algo.ledger.values.clone() if self.channel_active else None
             algo.download(ctx)
             algo.local_update(self.model, ctx)
             loss_sum = float(ctx.loss_sum)  # one device sync per client
             if not math.isfinite(loss_sum):
                 nonfinite.append(cid)
                 continue
-            weight = algo.client_weight(ctx)
-            for name, tensor in algo.upload(self.model, ctx).items():
-                sl, kind = self.upload_slices[name]
-                buf[sl].add_(tensor.reshape(-1), alpha=weight)
-                algo.ledger.add("up", kind, tensor.numel() * tensor.element_size())
-            buf[self._slot("weight")] += weight
+            uploads = algo.upload(self.model, ctx)
+            for name, tensor in uploads.items():
+                algo.ledger.add("up", self.uploads[name][1].kind, self._wire_bytes(name, tensor))
+            compute_s = time.perf_counter() - c0
             buf[self._slot("loss_sum")] += loss_sum
             buf[self._slot("samples")] += ctx.samples
+            buf[self._slot("compute_s")] += compute_s
+            if self.channel_active:
+                up_ok = self._simulate_links(t, cid, position[cid], len(sampled), traffic_before, compute_s, ctx)
+                if not up_ok:
+                    continue  # a straggler: trained, but its upload is lost this round
+            weight = algo.client_weight(ctx)
+            for name, tensor in uploads.items():
+                sl, spec = self.uploads[name]
+                buf[sl].add_(tensor.reshape(-1), alpha=weight if spec.weighted else 1.0)
+            buf[self._slot("weight")] += weight
         buf[self._slot("nonfinite")] = len(nonfinite)
         buf[self._slot("stop")] = 1.0 if self._stop_signal else 0.0
         buf[self.ledger_offset:] = algo.ledger.values.to(buf)
 
+        world.heartbeat()  # on NCCL runs: a dead peer is reported by gloo, not by NCCL's watchdog
         world.all_reduce_sum_(buf)  # the round's one collective: weighted sums + metrics
 
         if buf[self._slot("nonfinite")] > 0:
@@ -152,8 +193,10 @@ class Engine:
                 f"(lr {rnd.lr:g}); lower --lr, add --grad-clip, or check the data. Nothing of this "
                 f"round was kept; the last checkpoint and metrics in --out are intact")
         weight_total = float(buf[self._slot("weight")])
-        totals = {name: buf[sl] for name, (sl, _) in self.upload_slices.items()}
+        totals = {name: buf[sl] for name, (sl, _) in self.uploads.items()}
+        s0 = time.perf_counter()
         new_state = algo.aggregate(self.global_state, totals, weight_total, rnd)
+        server_s = time.perf_counter() - s0
         self.global_state = new_state.detach().to(self.flat.flat.dtype).clone()
         ledger = algo.ledger.as_metrics(buf[self.ledger_offset:].double().cpu())
         self.cum_bytes["bytes_up_total"] += ledger["bytes_up"]
@@ -165,38 +208,173 @@ class Engine:
             "lr": rnd.lr,
             "clients": len(sampled),
             **ledger, **self.cum_bytes,
-            "round_seconds": time.perf_counter() - t0,
         }
+        if self.channel_active:
+            metrics.update(self._link_metrics(buf, len(sampled), server_s))
+        change = self._relative_change()
+        if change is not None:
+            metrics["relative_change"] = change
+            if cfg.stop_epsilon > 0 and change < cfg.stop_epsilon:
+                metrics["converged"] = True
+        metrics["round_seconds"] = time.perf_counter() - t0
         if buf[self._slot("stop")] > 0:
             metrics["stop"] = True
         return metrics
 
+    def _wire_bytes(self, name: str, tensor: torch.Tensor) -> float:
+        spec = self.uploads[name][1]
+        return float(spec.wire_bytes if spec.wire_bytes is not None else tensor.numel() * tensor.element_size())
+
+    def _simulate_links(self, t: int, cid: int, pos: int, num_devices: int, traffic_before: torch.Tensor,
+                        compute_s: float, ctx: ClientContext) -> bool:
+        """One device's uplink and downlink this round; returns whether its upload arrived.
+
+        Payloads are what the ledger booked for this client (its upload, and what it receives).
+        A downlink outage leaves the device on its local model until a later downlink succeeds.
+        """
+        k = len(self.algo.ledger_kinds)
+        sent = (self.algo.ledger.values - traffic_before)
+        up = self.channel.uplink(t, cid, float(sent[:k].sum()), num_devices)
+        down = self.channel.downlink(t, cid, float(sent[k:].sum()))
+        row = self.round_buffer[self.link_offset + pos * self.link_fields:
+                                self.link_offset + (pos + 1) * self.link_fields]
+        row.copy_(torch.tensor([float(up.ok), float(down.ok), up.seconds, down.seconds, compute_s],
+                               dtype=row.dtype))
+        if not down.ok:
+            self.algo.on_downlink_outage(self.model, ctx)
+        return up.ok
+
+    def _link_metrics(self, buf: torch.Tensor, num_devices: int, server_s: float) -> Dict[str, float]:
+        rows = buf[self.link_offset:self.link_offset + num_devices * self.link_fields].view(num_devices, -1).cpu()
+        up_ok, down_ok, up_s, down_s, compute_s = rows.unbind(1)
+        # Devices compute and upload in parallel (FDMA); the server converts; the broadcast
+        # reaches every device in parallel: Mix2FLD's convergence time adds these delays.
+        sim = float((compute_s + up_s).max()) + server_s + float(down_s.max())
+        self.sim_seconds_total += sim
+        return {
+            "uplink_outages": int(num_devices - up_ok.sum()),
+            "downlink_outages": int(num_devices - down_ok.sum()),
+            "comm_seconds": float(up_s.max() + down_s.max()),
+            "compute_seconds": float(compute_s.max()) + server_s,
+            "sim_round_seconds": sim,
+            "sim_seconds_total": self.sim_seconds_total,
+        }
+
+    def _relative_change(self) -> Optional[float]:
+        """|G_p - G_p-1| / |G_p-1| of the algorithm's global quantity (Mix2FLD's stopping rule)."""
+        now = self.algo.convergence_state(self.global_state)
+        if now is None:
+            return None
+        now = now.detach().double()
+        before, self._previous_convergence_state = self._previous_convergence_state, now.clone()
+        if before is None:
+            return None
+        return float((now - before).norm() / before.norm().clamp_min(1e-30))
+
     def _to_device(self, c: ClientData) -> ClientData:
+        """The training part on the device; the local test split stays where it is (evaluation
+        reads it separately), so it is not copied every round."""
         d = self.world.device
         if d.type == "cpu":
             return c
-        return ClientData(c.cid, c.x.to(d, non_blocking=True), c.y.to(d, non_blocking=True),
-                          c.x_test.to(d, non_blocking=True), c.y_test.to(d, non_blocking=True))
+        return ClientData(c.cid, c.x.to(d, non_blocking=True), c.y.to(d, non_blocking=True), c.x_test, c.y_test)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
-        """Global model on the global test set, sharded over ranks by contiguous slices."""
-        self.flat.load_(self.global_state)
+        """Every eval round: the global model on the global test set; with local splits, the
+        model each client would use on its own split; with a personal or channel-affected
+        model, the reference device's model on the global test set (Mix2FLD's Fig. 2)."""
+        metrics = self._evaluate_global(self.global_state)
+        if self.cfg.local_eval and self.cfg.client_test_fraction > 0:
+            metrics.update(self._evaluate_local())
+        if self.uses_store:
+            state = self._holder_broadcast(self.reference_device)
+            metrics["reference_device_accuracy"] = (
+                metrics["test_accuracy"] if state is None else self._evaluate_global(state)["test_accuracy"])
+        return metrics
+
+    def _evaluate_global(self, state: torch.Tensor) -> Dict[str, float]:
+        """A flat model on the global test set, sharded over ranks by contiguous slices."""
+        self.flat.load_(state)
         self.model.eval()
         n = self.data.num_test()
         start, stop = n * self.world.rank // self.world.size, n * (self.world.rank + 1) // self.world.size
         sums = torch.zeros(3, dtype=torch.float64, device=self.world.device)
         for s in range(start, stop, self.cfg.eval_batch_size):
             x, y = self.data.test_slice(s, min(s + self.cfg.eval_batch_size, stop))
-            x, y = x.to(self.world.device), y.to(self.world.device)
-            logits = self.model(self.data.transform(x, False, None))
-            sums[0] += task_loss(logits, y, reduction="sum").double()
-            sums[1] += (logits.argmax(-1) == y).sum()
-            sums[2] += y.numel()
+            sums += self._eval_sums(x, y)
         self.world.all_reduce_sum_(sums)
         count = max(float(sums[2]), 1.0)
         return {"test_loss": float(sums[0]) / count, "test_accuracy": float(sums[1]) / count}
+
+    def _eval_sums(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """(loss sum, correct, count) of the loaded model on one batch."""
+        x, y = x.to(self.world.device), y.to(self.world.device)
+        logits = self.model(self.data.transform(x, False, None))
+        return torch.stack([task_loss(logits, y, reduction="sum").double(),
+                            (logits.argmax(-1) == y).sum().double(), torch.tensor(float(y.numel()))
+                            .to(logits.device, torch.float64)])
+
+    def _evaluator_rank(self, cid: int) -> int:
+        """Where client ``cid`` is evaluated: the rank holding its state, else cid % size."""
+        if self.uses_store:
+            return self.client_state.location.get(cid, cid % self.world.size)
+        return cid % self.world.size
+
+    def _evaluate_local(self) -> Dict[str, float]:
+        """Every client's own model (``algo.client_model``) on its own local test split, over
+        all clients (not only this round's), sharded over ranks; also the global model on the
+        same splits when some client's model differs from it, and the spread across clients."""
+        n = self.data.num_clients
+        dev = self.world.device
+        # per client: correct (own model), count, correct (global model), has own model
+        table = torch.zeros(4, n, dtype=torch.float64, device=dev)
+        self.model.eval()
+        for cid in range(n):
+            if self._evaluator_rank(cid) != self.world.rank:
+                continue
+            x, y = self.data.client_test_split(cid)
+            if y.numel() == 0:
+                continue
+            own = self.algo.client_model(cid)
+            bs = self.cfg.eval_batch_size
+            for col, state in ((2, self.global_state), (0, own)):
+                if state is None:
+                    continue
+                self.flat.load_(state)
+                for s in range(0, y.shape[0], bs):
+                    table[col, cid] += self._eval_sums(x[s:s + bs], y[s:s + bs])[1]
+            table[1, cid] = y.numel()
+            if own is None:
+                table[0, cid] = table[2, cid]
+            else:
+                table[3, cid] = 1
+        self.world.all_reduce_sum_(table)
+        table = table.cpu()
+        has = table[1] > 0
+        if not bool(has.any()):
+            return {}
+        acc = table[0, has] / table[1, has]
+        worst = torch.sort(acc).values[: max(1, int(math.ceil(0.1 * len(acc))))]
+        out = {
+            "local_test_accuracy": float(table[0].sum() / table[1].sum().clamp_min(1)),
+            "local_test_accuracy_mean": float(acc.mean()),
+            "local_test_accuracy_std": float(acc.std(unbiased=False)),
+            "local_test_accuracy_worst10": float(worst.mean()),
+        }
+        if table[3].sum() > 0:
+            out["local_test_accuracy_global_model"] = float(table[2].sum() / table[1].sum().clamp_min(1))
+        return out
+
+    def _holder_broadcast(self, cid: int) -> Optional[torch.Tensor]:
+        """Client ``cid``'s model (``algo.client_model``) on every rank, or None for the global one."""
+        holder = self._evaluator_rank(cid)
+        own = self.algo.client_model(cid) if holder == self.world.rank else None
+        if not self.world.broadcast_object(own is not None, src=holder):
+            return None
+        state = own.to(self.world.device, self.flat.flat.dtype) if own is not None else torch.empty_like(self.flat.flat)
+        return self.world.broadcast_(state.contiguous(), src=holder)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, round_done: int) -> None:
@@ -204,31 +382,44 @@ class Engine:
             "identity": self.cfg.identity(),
             "model": self.model_name,
             "global_state": self.global_state.cpu(),
-            "algo_state": self.algo.state_dict(),
+            "algo_state": to_device(self.algo.state_dict(), "cpu"),
             "cum_bytes": dict(self.cum_bytes),
+            "sim_seconds_total": self.sim_seconds_total,
+            "previous_convergence_state": self._previous_convergence_state,
+            "stop_round": self.stop_round if self.stop_round < self.cfg.rounds else None,
         }
-        store = self.client_state if self.algo.uses_client_state else None
+        store = self.client_state if self.uses_store else None
         checkpoint.save(self.cfg.out, round_done, self.world, server, store)
 
     def restore(self) -> None:
-        directory = checkpoint.latest(self.cfg.out)
-        if directory is None:
+        found = checkpoint.load_latest_intact(self.cfg.out, self.cfg.identity(), warn=self._warn, world=self.world)
+        if found is None:
             if self.is_main:
                 print(f"no checkpoint in {self.cfg.out}: starting from round 0", flush=True)
             return
-        body = checkpoint.load(directory, self.cfg.identity())
+        directory, body = found
         state = body["global_state"]
         if state.shape != self.global_state.shape:
             raise CheckpointError(f"checkpoint {directory} holds a model of {state.numel()} values, "
                                   f"this run builds {self.global_state.numel()}; resume with the same model")
-        self.global_state = state.to(self.world.device)
-        self.algo.load_state_dict(body.get("algo_state") or {})
+        device = self.world.device
+        self.global_state = state.to(device)
+        # Device contract: algorithms get their saved tensors back on the run's device.
+        self.algo.load_state_dict(to_device(body.get("algo_state") or {}, device))
         self.cum_bytes = dict(body.get("cum_bytes", self.cum_bytes))
-        if self.algo.uses_client_state:
+        self.sim_seconds_total = float(body.get("sim_seconds_total", 0.0))
+        self._previous_convergence_state = body.get("previous_convergence_state")
+        if self.uses_store:
             self.client_state.load_shards(body["client_state_dirs"])
         self.start_round = int(body["round"])
+        if body.get("stop_round"):
+            self.stop_round = int(body["stop_round"])  # the run had converged: nothing left to do
         if self.is_main:
             print(f"resumed from {directory} after round {self.start_round}", flush=True)
+
+    def _warn(self, message: str) -> None:
+        if self.is_main:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ outputs
     def _open_outputs(self) -> None:
@@ -274,10 +465,36 @@ class Engine:
         if not self.cfg.quiet:
             line = (f"round {metrics['round']:4d}/{self.cfg.rounds} | train_loss {metrics['train_loss']:.4f}")
             if "test_accuracy" in metrics:
-                line += f" | test_acc {metrics['test_accuracy']:.4f} | test_loss {metrics['test_loss']:.4f}"
-            line += (f" | up {metrics['bytes_up'] / 2**20:.2f} MiB | down {metrics['bytes_down'] / 2**20:.2f} MiB"
-                     f" | {metrics['round_seconds']:.2f} s")
+                line += f" | test_acc {metrics['test_accuracy']:.4f}"
+            if "local_test_accuracy" in metrics:
+                line += f" | local_acc {metrics['local_test_accuracy']:.4f}"
+            if "reference_device_accuracy" in metrics:
+                line += f" | ref_dev_acc {metrics['reference_device_accuracy']:.4f}"
+            line += f" | up {metrics['bytes_up'] / 2**20:.2f} MiB | down {metrics['bytes_down'] / 2**20:.2f} MiB"
+            if "sim_seconds_total" in metrics:
+                line += (f" | outages up {metrics['uplink_outages']} down {metrics['downlink_outages']}"
+                         f" | sim {metrics['sim_seconds_total']:.2f} s")
+            line += f" | {metrics['round_seconds']:.2f} s"
             print(line, flush=True)
+
+    def _final_line(self, final: Dict[str, float]) -> str:
+        line = (f"final test accuracy {final['test_accuracy']:.4f} (test loss {final['test_loss']:.4f}) "
+                f"after {self.stop_round} rounds")
+        if "reference_device_accuracy" in final:
+            line += f"; reference device {self.reference_device}: accuracy {final['reference_device_accuracy']:.4f}"
+        if "sim_seconds_total" in final:
+            line += f", convergence time {final['sim_seconds_total']:.2f} s (simulated channel + measured compute)"
+        return line
+
+    def _write_hparams(self, final: Dict[str, float]) -> None:
+        """Hyperparameters and final metrics for TensorBoard's HParams tab (a sweep compares runs there)."""
+        if not self.cfg.tensorboard:
+            return
+        try:
+            from .report.tensorboard import write_hparams
+        except ImportError:  # tensorboard not installed: the scalars were skipped too
+            return
+        write_hparams(os.path.join(self.cfg.out, "tensorboard"), self.cfg.to_dict(), final)
 
     def _close_outputs(self) -> None:
         if self._metrics_file is not None:
@@ -301,26 +518,36 @@ class Engine:
                 print(f"fedhpc: {cfg.algo} on {cfg.dataset} ({self.data.num_clients} clients, "
                       f"{cfg.clients_per_round} per round), model {self.model_name} "
                       f"({self.flat.num_params} parameters), {self.world.describe()}", flush=True)
-            for t in range(self.start_round, cfg.rounds):
+                if self.channel_active:
+                    print(f"channel: {self.channel.describe()}", flush=True)
+            for t in range(self.start_round, self.stop_round):
                 metrics = self.run_round(t)
-                last = t + 1 == cfg.rounds
+                converged = metrics.pop("converged", False)
+                last = t + 1 == cfg.rounds or converged
                 if last or (t + 1) % cfg.eval_every == 0:
                     metrics.update(self.evaluate())
                     final = metrics
                 stop = metrics.pop("stop", False)
                 self._log(metrics)
+                if converged:
+                    self.stop_round = t + 1
+                    if self.is_main and not cfg.quiet:
+                        print(f"converged after round {t + 1}: relative change "
+                              f"{metrics['relative_change']:.4g} < --stop-epsilon {cfg.stop_epsilon:g}", flush=True)
                 if cfg.out and (stop or last or (cfg.checkpoint_every and (t + 1) % cfg.checkpoint_every == 0)):
                     self.save_checkpoint(t + 1)
-                if stop and not last:
+                if last:
+                    break
+                if stop:
                     raise Preempted(t + 1)
             if not final:  # resumed a finished run: report the final model again
-                final = {"round": cfg.rounds, **self.evaluate()}
+                final = {"round": self.stop_round, **self.evaluate()}
             if cfg.out and self.is_main:
                 atomic_torch_save(self.flat.state_dict_from(self.global_state),
                                   os.path.join(cfg.out, "final_model.pt"))
+                self._write_hparams(final)
             if self.is_main and not cfg.quiet:
-                print(f"final test accuracy {final['test_accuracy']:.4f} (test loss "
-                      f"{final['test_loss']:.4f}) after {cfg.rounds} rounds", flush=True)
+                print(self._final_line(final), flush=True)
             return final
         finally:
             for s, h in previous.items():

@@ -102,6 +102,11 @@ class World:
         else:
             self.device = torch.device("cpu")
         self.backend = "nccl" if use_cuda else "gloo"
+        if use_cuda:
+            # NCCL's watchdog tears the process down on an error by default (mode 3), so a dead
+            # peer would never reach our clear "exit 4, --resume" message. Mode 2 only aborts
+            # the communicator and lets the collective raise; the user's own setting wins.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self._timeout = timeout
         if self.size > 1:
             dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
@@ -146,6 +151,12 @@ class World:
         self._guard("all_gather", dist.all_gather, out, padded.contiguous())
         return [o[:s] for o, s in zip(out, sizes)]
 
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s (same shape and dtype everywhere)."""
+        if self.size > 1:
+            self._guard("broadcast", dist.broadcast, tensor, src=src)
+        return tensor
+
     def all_gather_object(self, obj: Any) -> List[Any]:
         if self.size == 1:
             return [obj]
@@ -159,6 +170,16 @@ class World:
         box = [obj]
         self._guard("broadcast_object", dist.broadcast_object_list, box, src=src, group=self._cpu_group)
         return box[0]
+
+    def heartbeat(self) -> None:
+        """On NCCL runs, a one-number gloo all-reduce before the round's NCCL collective.
+
+        gloo notices a peer whose process died at once (its socket closes) and raises, which
+        :meth:`_guard` turns into RankFailure; NCCL would instead wait for the collective
+        timeout and then abort from its watchdog thread. A no-op on gloo-only runs.
+        """
+        if self.size > 1 and self._cpu_group is not None:
+            self._guard("heartbeat", dist.all_reduce, torch.ones(1), group=self._cpu_group)
 
     def barrier(self) -> None:
         if self.size > 1:

@@ -41,7 +41,7 @@ def main():
         eng.client_state.close = lambda: None  # keep the spilled states readable for the dump
         eng.run()
         os.makedirs(dump, exist_ok=True)
-        torch.save({"states": dict(eng.client_state.items()), "spills": eng.client_state.spills},
+        torch.save({"states": {c: s["algo"] for c, s in eng.client_state.items()}, "spills": eng.client_state.spills},
                    os.path.join(dump, f"rank{world.rank}.pt"))
         close()
     finally:

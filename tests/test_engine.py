@@ -139,3 +139,30 @@ def test_flat_model_round_trip_and_state_dict():
     fresh.load_state_dict(sd)
     x = torch.randn(3, 1, 8, 8)
     assert torch.allclose(fresh(x), eng.model(x))
+
+
+def test_local_test_accuracy_is_every_clients_model_on_its_own_split():
+    """Brute force: loop over all clients (not only the sampled ones), evaluate the global model
+    on each local test split, weight by split size; also the spread across clients."""
+    eng = make_engine(num_clients=7, clients_per_round=3, rounds=2, seed=4, partition="dirichlet:0.5",
+                      client_test_fraction=0.3)
+    final = eng.run()
+    eng.flat.load_(eng.global_state)
+    eng.model.eval()
+    correct, count, accs = 0, 0, []
+    with torch.no_grad():
+        for cid in range(7):
+            c = eng.data.client(cid)
+            if c.num_test == 0:
+                continue
+            hits = int((eng.model(c.x_test).argmax(-1) == c.y_test).sum())
+            correct, count = correct + hits, count + c.num_test
+            accs.append(hits / c.num_test)
+    assert count > 0 and len(accs) == 7
+    assert final["local_test_accuracy"] == pytest.approx(correct / count, abs=1e-12)
+    assert final["local_test_accuracy_mean"] == pytest.approx(np.mean(accs), abs=1e-12)
+    assert final["local_test_accuracy_std"] == pytest.approx(np.std(accs), abs=1e-12)
+    assert final["local_test_accuracy_worst10"] == pytest.approx(min(accs), abs=1e-12)
+    assert "local_test_accuracy_global_model" not in final  # every client uses the global model
+    no_split = make_engine(num_clients=4, clients_per_round=2, rounds=1, client_test_fraction=0.0).run()
+    assert "local_test_accuracy" not in no_split

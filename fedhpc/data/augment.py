@@ -96,6 +96,11 @@ class ImageTransform:
         if self.crop_padding < 0:
             raise ValueError(f"crop_padding must be >= 0, got {self.crop_padding}")
 
+    @property
+    def augments(self) -> bool:
+        """Random crops or flips at training time (the engine then seeds a generator per epoch)."""
+        return self.crop_padding > 0 or self.flip
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_cache"] = {}

@@ -89,6 +89,16 @@ class FederatedData(ABC):
     def default_model(self) -> str:
         return "mlp"
 
+    @property
+    def augments(self) -> bool:
+        """Whether training batches are randomly augmented (a generator is then made per epoch)."""
+        return bool(getattr(self.transform, "augments", False))
+
+    def client_test_split(self, cid: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Client ``cid``'s local test split (CPU tensors); stores may read only this part."""
+        c = self.client(cid)
+        return c.x_test, c.y_test
+
     def close(self) -> None:
         """Release file handles (HDF5 stores)."""
 

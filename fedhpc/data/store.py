@@ -372,6 +372,11 @@ class HDF5ClientStore(FederatedData):
             torch.from_numpy(self._rows("client_test/y", c, d)).long(),
         )
 
+    def client_test_split(self, cid: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        c, d = int(self._ltest_off[cid]), int(self._ltest_off[cid + 1])  # only the test rows
+        return (torch.from_numpy(self._rows("client_test/x", c, d)),
+                torch.from_numpy(self._rows("client_test/y", c, d)).long())
+
     def num_test(self) -> int:
         return self._num_test
 

@@ -6,6 +6,8 @@ import math
 
 from torch import nn
 
+from ..errors import ConfigError
+
 from . import register_model
 
 
@@ -29,14 +31,30 @@ class MLP(nn.Module):
 
 
 class SmallCNN(nn.Module):
-    """Two 3x3 conv blocks and two fc layers; sized for 8x8 digits but works on any HxW."""
+    """Two 3x3 conv blocks and two fc layers; sized for 8x8 digits but works on any HxW.
 
-    def __init__(self, input_shape, num_classes: int, width: int = 16, hidden: int = 64):
+    ``norm="batch"`` puts BatchNorm after each convolution and ``dropout`` > 0 a dropout
+    before the head: the small stand-ins with which the tests check that BatchNorm
+    statistics and random masks behave the same on any number of ranks.
+    """
+
+    def __init__(self, input_shape, num_classes: int, width: int = 16, hidden: int = 64,
+                 norm: str = "none", dropout: float = 0.0):
         super().__init__()
+        if norm not in ("none", "batch"):
+            raise ConfigError(f"cnn option norm must be none or batch, got {norm!r}")
+        if not 0 <= dropout < 1:
+            raise ConfigError(f"cnn option dropout must be in [0, 1), got {dropout}")
         c, h, w = input_shape
-        self.conv1 = nn.Sequential(nn.Conv2d(c, width, 3, padding=1), nn.ReLU())
-        self.conv2 = nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * (h // 2) * (w // 2), hidden), nn.ReLU())
+
+        def bn(ch):
+            return [nn.BatchNorm2d(ch)] if norm == "batch" else []
+
+        self.conv1 = nn.Sequential(nn.Conv2d(c, width, 3, padding=1), *bn(width), nn.ReLU())
+        self.conv2 = nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1), *bn(2 * width), nn.ReLU(),
+                                   nn.MaxPool2d(2))
+        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * (h // 2) * (w // 2), hidden), nn.ReLU(),
+                                *([nn.Dropout(dropout)] if dropout > 0 else []))
         self.head = nn.Linear(hidden, num_classes)
 
     def forward(self, x):
@@ -52,5 +70,5 @@ def mlp(input_shape, num_classes, hidden: int = 64, depth: int = 2):
 
 
 @register_model("cnn")
-def cnn(input_shape, num_classes, width: int = 16, hidden: int = 64):
-    return SmallCNN(input_shape, num_classes, width, hidden)
+def cnn(input_shape, num_classes, width: int = 16, hidden: int = 64, norm: str = "none", dropout: float = 0.0):
+    return SmallCNN(input_shape, num_classes, width, hidden, norm, dropout)

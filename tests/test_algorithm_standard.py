@@ -1,0 +1,165 @@
+"""The standard set every registered algorithm passes, the day it is registered.
+
+(a) a run interrupted by a signal and resumed equals the uninterrupted run (global
+    model, metrics and every client's state);
+(b) 1 and 2 ranks give the same model, with a model that has dropout and one with
+    BatchNorm (one ``mpiexec -n 2`` launch runs every case);
+(c) the algorithm's own update is what runs: one round through the engine equals the
+    round computed by hand in tests/reference_steps.py, with clients of unequal sizes.
+
+Each algorithm runs with options that exercise its own random draws (ALGO_ARGS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, clean_env, mpiexec
+from reference_steps import REFERENCES
+
+from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+from fedhpc.world import World
+from standard_runner import run_case
+
+load_algorithm_modules()
+ALGOS = [n for n in ALGORITHMS.names() if n != "state_probe"]
+
+BASE = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--rounds", "3",
+        "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--partition", "dirichlet:1.0",
+        "--seed", "5", "--threads", "1", "--quiet", "--no-tensorboard", "--checkpoint-every", "1"]
+#: options that make each algorithm use its own randomness (and its +FedProx path where it has one)
+ALGO_ARGS = {
+    "fedavg": ["--server-momentum", "0.5"],
+    "fedprox": ["--mu", "0.1"],
+    "localmix": ["--mix-alpha", "0.4"],
+    "globalmix": ["--raw-per-client", "20", "--select", "sample"],
+    "naivemix": ["--mean-batch", "20", "--select", "sample", "--prox-mu", "0.01"],
+    "fedmix": ["--mean-batch", "20", "--mean-noise", "0.01", "--mean-refresh", "every_round"],
+}
+MODELS = {
+    "dropout": ["--model", "cnn", "--model-opt", "width=4", "--model-opt", "hidden=16", "--model-opt", "dropout=0.3"],
+    "batchnorm": ["--model", "cnn", "--model-opt", "width=4", "--model-opt", "hidden=16", "--model-opt", "norm=batch"],
+}
+
+
+def algo_argv(algo, model="dropout"):
+    return ["--algo", algo, *BASE, *ALGO_ARGS.get(algo, []), *MODELS[model]]
+
+
+def assert_states_equal(a, b, tol=0.0):
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict))
+    if isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and (a.numel() == 0 or float((a.double() - b.double()).abs().max()) <= tol)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_states_equal(a[k], b[k], tol)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_states_equal(x, y, tol)
+    elif isinstance(a, float):
+        assert abs(a - b) <= tol * max(1.0, abs(a))
+    else:
+        assert a == b
+
+
+# ----------------------------------------------------------------------------- (a) resume
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_resumed_run_equals_uninterrupted(algo, tmp_path):
+    from fedhpc.engine import Preempted
+
+    argv = algo_argv(algo)
+    eng_full, final_full, states_full = run_case(argv + ["--out", str(tmp_path / "full")], World(threads=1))
+    out = str(tmp_path / "cut")
+    with pytest.raises(Preempted):
+        run_case(argv + ["--out", out], World(threads=1), interrupt_after=2)
+    eng_res, final_res, states_res = run_case(argv + ["--out", out, "--resume"], World(threads=1))
+    assert torch.equal(eng_full.global_state, eng_res.global_state), \
+        float((eng_full.global_state - eng_res.global_state).abs().max())
+    drop = ("round_seconds", "sim_round_seconds", "sim_seconds_total", "compute_seconds")
+    assert_states_equal({k: v for k, v in final_full.items() if k not in drop},
+                        {k: v for k, v in final_res.items() if k not in drop})
+    assert_states_equal(states_full, states_res)
+    # the metrics file of the resumed run is the uninterrupted one's, round for round
+    rows = [[json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))] for d in (tmp_path / "full", out)]
+    assert [r["round"] for r in rows[0]] == [r["round"] for r in rows[1]] == [1, 2, 3]
+    assert [r["test_accuracy"] for r in rows[0]] == [r["test_accuracy"] for r in rows[1]]
+
+
+# ----------------------------------------------------------------------------- (b) 1 vs 2 ranks
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    """Every algorithm x model on 2 MPI ranks, in one launch."""
+    d = tmp_path_factory.mktemp("two_ranks")
+    cases = {f"{a}-{m}": algo_argv(a, m) for a in ALGOS for m in MODELS}
+    (d / "cases.json").write_text(json.dumps(cases))
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, os.path.join(REPO, "tests", "standard_runner.py"),
+                        str(d / "cases.json"), str(d)], cwd=REPO, env=clean_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return d
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("algo", ALGOS)
+def test_one_and_two_ranks_give_the_same_model(algo, model, two_rank_results):
+    eng, final, states = run_case(algo_argv(algo, model), World(threads=1))
+    two = torch.load(two_rank_results / f"{algo}-{model}.pt", weights_only=False)
+    diff = float((eng.global_state.double() - two["global_state"].double()).abs().max())
+    assert diff <= 1e-5, f"{algo} with {model}: 1 vs 2 ranks differ by {diff:.2e}"
+    assert_states_equal(states, two["states"], tol=1e-5)
+    assert abs(final["test_accuracy"] - two["final"]["test_accuracy"]) <= 1e-9
+
+
+# ----------------------------------------------------------------------------- (c) own update
+
+def test_every_algorithm_has_a_hand_computed_reference():
+    missing = [a for a in ALGOS if a not in REFERENCES]
+    assert not missing, f"add a reference round for {missing} to tests/reference_steps.py"
+
+
+@pytest.mark.parametrize("algo", [a for a in ALGOS if a in REFERENCES])
+def test_engine_runs_the_algorithms_own_update(algo):
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+
+    argv = ["--algo", algo, "--dataset", "digits", "--num-clients", "4", "--clients-per-round", "2",
+            "--rounds", "1", "--local-epochs", "1", "--batch-size", "64", "--lr", "0.1", "--model", "mlp",
+            "--partition", "dirichlet:0.5", "--seed", "1", "--threads", "1", "--quiet", "--no-tensorboard"]
+    argv += {"fedprox": ["--mu", "0.5"], "fedmix": ["--lam", "0.2"], "naivemix": ["--lam", "0.2"],
+             "localmix": ["--mix-alpha", "0.5"], "globalmix": ["--lam", "0.2"]}.get(algo, [])
+    ref = REFERENCES[algo]
+    cfg, ao, do = parse_args(argv + list(getattr(ref, "argv", [])))
+    eng = Engine(cfg, ao, do, World(threads=1))
+    sizes = sorted(int(eng.data.client_sizes()[c]) for c in range(4))
+    assert sizes[0] * 1.3 < sizes[-1], "the check needs clients of unequal sizes"
+    expected = ref(eng)
+    plain = REFERENCES["fedavg"](eng)
+    for t in range(getattr(ref, "rounds", 1)):
+        eng.run_round(t)
+    if isinstance(expected, torch.Tensor):
+        expected = {"global_state": expected}
+    for key, want in expected.items():
+        if key == "global_state":
+            got = {"": eng.global_state}
+            want = {"": want}
+        elif key == "client_models":
+            got = {cid: eng.algo.client_model(cid) for cid in want}
+        else:  # an attribute of the algorithm, e.g. FD's global per-label outputs
+            got = {"": getattr(eng.algo, key)[0] if isinstance(getattr(eng.algo, key), tuple) else getattr(eng.algo, key)}
+            want = {"": want}
+        for k in want:
+            diff = float((got[k].double() - want[k]).abs().max())
+            assert diff <= 2e-5, f"{algo}: {key} {k} differs from the hand computation by {diff:.2e}"
+    if "global_state" in expected and algo != "fedavg":
+        moved = float((expected["global_state"] - plain).abs().max())
+        assert moved > 1e-3, f"{algo}: the reference is too close to FedAvg's ({moved:.1e}) to tell them apart"
