@@ -1,0 +1,81 @@
+"""Per-label average outputs: the exchange of federated distillation (Mix2FLD paper, Eqs. 2-3).
+
+Device side (Eq. 2): while it trains, a device averages its softmax output vectors
+separately for each ground-truth label, F_bar_{d,n} = mean of F_d over its iterations
+whose sample has label n. It uploads the N_L x N_L table of those averages (32-bit
+each: ``N_L**2 * 4`` bytes on the wire, as the paper counts b_out N_L^2 bits).
+
+Server side (Eq. 3): G_out,n = the mean of F_bar_{d,n} over the devices whose upload
+arrived *and that saw label n* (the paper writes |D^p| in the denominator, i.e.
+every device has every label; with label skew a device without label n has no
+F_bar_{d,n} to send, and counting it as a zero vector would shrink G_out,n, so it
+is left out, as public FD implementations do). Labels no device saw have no global
+output; a distillation loss skips them.
+
+In the engine the exchange rides on the round's one all-reduce: every device adds
+its table (rows of absent labels zero) and a presence vector to two *unweighted*
+upload slots, so the server's division gives Eq. 3 exactly, for any number of ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..algorithms.base import Upload
+
+
+class LabelOutputs:
+    """One device's running per-label output sums during local training (Eq. 2)."""
+
+    def __init__(self, num_classes: int, device, dtype=torch.float64):
+        self.num_classes = num_classes
+        self.sums = torch.zeros(num_classes, num_classes, dtype=dtype, device=device)
+        self.counts = torch.zeros(num_classes, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def add(self, logits: torch.Tensor, y: torch.Tensor) -> None:
+        """Add this iteration's softmax outputs of a batch, by ground-truth label."""
+        probs = F.softmax(logits.detach(), dim=-1).to(self.sums.dtype)
+        self.sums.index_add_(0, y, probs)
+        self.counts.index_add_(0, y, torch.ones_like(y, dtype=self.sums.dtype))
+
+    def table(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(F_bar: N_L x N_L per-label averages, zero rows for unseen labels; presence 0/1)."""
+        present = (self.counts > 0).to(self.sums.dtype)
+        return self.sums / self.counts.clamp_min(1).unsqueeze(1), present
+
+
+def upload_spec(num_classes: int, kind: str = "outputs") -> Dict[str, Upload]:
+    """The two round-buffer slots of the exchange: summed over devices, not weighted."""
+    return {
+        "label_outputs": Upload(num_classes * num_classes, kind, weighted=False,
+                                wire_bytes=num_classes * num_classes * 4),
+        # which labels a device's table covers: implied by its rows, nothing extra is sent
+        "label_presence": Upload(num_classes, kind, weighted=False, wire_bytes=0),
+    }
+
+
+def upload(outputs: LabelOutputs) -> Dict[str, torch.Tensor]:
+    table, present = outputs.table()
+    return {"label_outputs": table, "label_presence": present}
+
+
+def global_outputs(totals: Dict[str, torch.Tensor], num_classes: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Eq. 3 from the round's sums: (G_out N_L x N_L, 0/1 mask of labels with a global output),
+    or None when no device's outputs arrived this round."""
+    present = totals["label_presence"].double()
+    if float(present.sum()) == 0:
+        return None
+    sums = totals["label_outputs"].double().view(num_classes, num_classes)
+    return sums / present.clamp_min(1).unsqueeze(1), (present > 0).double()
+
+
+def distillation_loss(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """psi of Eq. 3 / Eq. 5: cross-entropy -sum_m G_m log F_m of each sample's output against
+    its teacher row, averaged over the samples that have one (``mask`` 1); 0 if none has."""
+    per_sample = -(teacher.to(logits.dtype) * F.log_softmax(logits, -1)).sum(-1)
+    m = mask.to(logits.dtype)
+    return (per_sample * m).sum() / m.sum().clamp_min(1.0)
