@@ -1,0 +1,148 @@
+"""Per-client overhead: fedhpc's round loop against a plain PyTorch loop, and 1 vs 2 ranks.
+
+(a) The cross-device shape (issue 7): digits, 100 IID clients of ~15 samples, 10 per
+    round, 1 epoch, batch 5, SGD 0.05, MLP 64-128-10. fedhpc's ``run_round`` and a
+    plain loop doing the same client work (same clients, same batch order, state-dict
+    loads, a fresh SGD per client, float64 averaging) run interleaved, round by round,
+    in this process; the final weights are compared to prove the work was the same.
+    ``torch._dynamo``'s lazy import (triggered by the first optimizer) happens before
+    timing, for both. Target: fedhpc / plain <= 1.05.
+(b) Clients 10x larger (10 clients of ~143 samples, all sampled each round, same
+    model and batch): the whole run on 1 rank and under ``mpiexec -n 2``, 1 thread per
+    rank, interleaved repeats; the figure is the round loop's time (the sum of
+    ``round_seconds`` in metrics.jsonl: training and the all-reduce, not start-up).
+    Target: 2 ranks >= 1.8x one rank.
+
+    python benchmarks/bench_overhead.py [--rounds 50] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKLOAD_A = dict(dataset="digits", model="mlp", model_options={"hidden": 128, "depth": 2}, partition="iid",
+                  num_clients=100, clients_per_round=10, local_epochs=1, batch_size=5, lr=0.05,
+                  client_test_fraction=0.0, eval_every=10, quiet=True, tensorboard=False, threads=1)
+
+
+def plain_round(model, global_sd, data, cfg, t):
+    """What a researcher writes by hand: load, a fresh SGD per client, train, average state dicts."""
+    from fedhpc.algorithms.base import derive_seed
+    from fedhpc.engine import sample_clients
+
+    sampled = sample_clients(cfg.seed, t, data.num_clients, cfg.clients_per_round)
+    total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in global_sd.items()}
+    weight = 0.0
+    for cid in sampled:
+        client = data.client(cid)
+        model.load_state_dict(global_sd)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        for e in range(cfg.local_epochs):
+            g = torch.Generator().manual_seed(derive_seed(cfg.seed, "batches", t, cid, e))
+            perm = torch.randperm(client.num_train, generator=g)
+            for s in range(0, client.num_train, cfg.batch_size):
+                idx = perm[s:s + cfg.batch_size]
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(model(client.x[idx]), client.y[idx])
+                loss.backward()
+                opt.step()
+        n = client.num_train
+        for k, v in model.state_dict().items():
+            total[k] += n * v.double()
+        weight += n
+    return {k: (v / weight).to(global_sd[k].dtype) for k, v in total.items()}
+
+
+def bench_loop(rounds: int, warmup: int = 3):
+    from fedhpc.algorithms.base import derive_seed
+    from fedhpc.config import RunConfig
+    from fedhpc.engine import Engine
+    from fedhpc.models import build_model
+    from fedhpc.world import World
+
+    cfg = RunConfig(rounds=rounds + warmup, **WORKLOAD_A)
+    cfg.validate()
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the lazy torch._dynamo import, untimed
+    eng = Engine(cfg, None, None, World(threads=1))
+    torch.manual_seed(derive_seed(cfg.seed, "init"))
+    model = build_model(cfg.model, eng.data.input_shape, eng.data.num_classes, cfg.model_options)
+    global_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    t_fed, t_plain = [], []
+    for t in range(cfg.rounds):
+        t0 = time.perf_counter(); eng.run_round(t); t1 = time.perf_counter()
+        global_sd = plain_round(model, global_sd, eng.data, cfg, t); t2 = time.perf_counter()
+        if t >= warmup:
+            t_fed.append(t1 - t0); t_plain.append(t2 - t1)
+    fed_sd = eng.flat.state_dict_from(eng.global_state)
+    diff = max(float((fed_sd[k].double() - global_sd[k].double()).abs().max()) for k in global_sd)
+    return sum(t_fed), sum(t_plain), statistics.median(t_fed), statistics.median(t_plain), diff
+
+
+def launcher_run(ranks: int, rounds: int, out: str) -> float:
+    args = ["--dataset", "digits", "--model", "mlp", "--model-opt", "hidden=128", "--partition", "iid",
+            "--num-clients", "10", "--clients-per-round", "10", "--local-epochs", "1", "--batch-size", "5",
+            "--lr", "0.05", "--client-test-fraction", "0", "--rounds", str(rounds), "--eval-every", "1",
+            "--threads", "1", "--quiet", "--no-tensorboard", "--checkpoint-every", "0", "--out", out]
+    cmd = [sys.executable, "-m", "fedhpc.launch", *args]
+    if ranks > 1:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks)] + cmd
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    # round_seconds times run_round on rank 0 (its clients, then the all-reduce that waits for
+    # the other rank), not start-up or evaluation: the sum is the round loop's time.
+    return sum(json.loads(line)["round_seconds"] for line in open(os.path.join(out, "metrics.jsonl")))
+
+
+def bench_ranks(rounds: int, repeats: int):
+    """Round-loop seconds of whole launcher runs on 1 and 2 ranks, interleaved."""
+    times = {1: [], 2: []}
+    for rep in range(repeats):
+        for ranks in (1, 2):
+            d = tempfile.mkdtemp(prefix="fedhpc-bench-")
+            try:
+                times[ranks].append(launcher_run(ranks, rounds, os.path.join(d, "run")))
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rank-rounds", type=int, default=40)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+
+    sums = []
+    for _ in range(a.repeats):
+        sums.append(bench_loop(a.rounds))
+    fed = statistics.median(s[0] for s in sums)
+    plain = statistics.median(s[1] for s in sums)
+    print(f"(a) cross-device workload, {a.rounds} timed rounds x {a.repeats} repeats (interleaved per round)")
+    print(f"    fedhpc round loop   {fed:.3f} s   (runs: {', '.join(f'{s[0]:.3f}' for s in sums)})")
+    print(f"    plain PyTorch loop  {plain:.3f} s   (runs: {', '.join(f'{s[1]:.3f}' for s in sums)})")
+    print(f"    ratio fedhpc / plain = {fed / plain:.3f}   (target <= 1.05); "
+          f"max |weights difference| {max(s[4] for s in sums):.1e}")
+
+    times = bench_ranks(a.rank_rounds, a.repeats)
+    one, two = statistics.median(times[1]), statistics.median(times[2])
+    print(f"(b) 10 clients of ~143 samples, {a.rank_rounds} rounds, round-loop seconds, {a.repeats} repeats")
+    print(f"    1 rank   {one:.2f} s  (runs: {', '.join(f'{t:.2f}' for t in times[1])})")
+    print(f"    2 ranks  {two:.2f} s  (runs: {', '.join(f'{t:.2f}' for t in times[2])})")
+    print(f"    speed-up 2 ranks / 1 rank = {one / two:.2f}x   (target >= 1.8x)")
+
+
+if __name__ == "__main__":
+    main()
