@@ -45,7 +45,7 @@ from ..errors import DataError
 from .base import BatchTransform, ClientData, FederatedData, local_split_rng, split_local
 from .formats import open_h5_readonly
 
-STORE_FORMAT = 1
+STORE_FORMAT = 2  # 2: classes:K became a random draw; stores of the old cyclic deal are rebuilt
 
 
 # --------------------------------------------------------------------------- client sources
