@@ -9,8 +9,16 @@ losses, gradients, optimizer steps and aggregation are written out here again, p
 derivative of the first-order gradient), so that a wiring mistake in the algorithm or the engine (the
 wrong loss, unweighted averaging, a client mixing with its own mean...) shows up.
 
-A new algorithm adds its reference here: tests/test_algorithm_standard.py fails for
-every registered algorithm without one.
+A new algorithm adds its reference here, or a family in its own file
+``tests/reference_steps_<family>.py`` (imported by :func:`load_family_references`), using
+the ``@reference`` decorator and these helpers: tests/test_algorithm_standard.py fails for
+every registered algorithm without one. A reference function may set attributes:
+``rounds`` (rounds to run, default 1), ``argv`` (extra flags for the check), and
+``standard_argv`` (flags that exercise the algorithm's randomness in the resume and
+1-vs-2-rank checks), ``standard_models`` ({"dropout": flags, "batchnorm": flags}: small
+models of the architecture the method needs, one with dropout and one with BatchNorm). It returns the expected global flat state, or a dict with any of
+``global_state``, ``client_models`` ({cid: flat state}, compared with
+``algo.client_model(cid)``) and names of algorithm attributes to compare.
 """
 
 from __future__ import annotations
@@ -26,6 +34,17 @@ from fedhpc.algorithms.base import derive_seed
 from fedhpc.engine import sample_clients
 
 REFERENCES: Dict[str, Callable] = {}
+
+
+def load_family_references() -> None:
+    """Import every tests/reference_steps_*.py so that its references register."""
+    import importlib
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for fn in sorted(os.listdir(here)):
+        if fn.startswith("reference_steps_") and fn.endswith(".py"):
+            importlib.import_module(fn[:-3])
 
 
 def reference(name: str):

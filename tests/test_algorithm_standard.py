@@ -21,13 +21,14 @@ import pytest
 import torch
 
 from conftest import REPO, clean_env, mpiexec
-from reference_steps import REFERENCES
+from reference_steps import REFERENCES, load_family_references
 
 from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
 from fedhpc.world import World
 from standard_runner import run_case
 
 load_algorithm_modules()
+load_family_references()
 ALGOS = [n for n in ALGORITHMS.names() if n != "state_probe"]
 
 BASE = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--rounds", "3",
@@ -49,7 +50,13 @@ MODELS = {
 
 
 def algo_argv(algo, model="dropout"):
-    return ["--algo", algo, *BASE, *ALGO_ARGS.get(algo, []), *MODELS[model]]
+    # a family's reference may carry the options that exercise the algorithm's own randomness
+    ref = REFERENCES.get(algo)
+    extra = ALGO_ARGS.get(algo, getattr(ref, "standard_argv", []))
+    # a method that needs a particular architecture (residual blocks, slimmable widths) names
+    # its own small dropout and BatchNorm models; both kinds must still be covered
+    models = getattr(ref, "standard_models", MODELS)
+    return ["--algo", algo, *BASE, *extra, *models[model]]
 
 
 def assert_states_equal(a, b, tol=0.0):
