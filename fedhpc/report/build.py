@@ -1,0 +1,137 @@
+"""Assemble a report: find runs, group them, summarise, plot, write report.md / report.html / summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+from ..errors import ConfigError
+from ..io import atomic_write_json, atomic_write_text
+from .plots import plot_groups
+from .render import Document, fmt_stat, fmt_value, unit_of
+from .runs import Group, find_runs, group_runs, varying_settings
+from .summary import best_stats, final_stats, metric_names, reference_comparison, time_to_target
+
+
+def _label(group: Group, keys: List[str]) -> str:
+    return ", ".join(f"{k}={group.settings[k]}" for k in keys if k in group.settings) or "all runs"
+
+
+def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
+                 title: Optional[str] = None) -> Dict[str, Any]:
+    """Write the report of the runs under ``roots`` into ``out_dir``; returns summary.json's content."""
+    for root in roots:
+        if not os.path.isdir(root):
+            raise ConfigError(f"{root} is not a folder; pass folders holding runs (each with config.yaml "
+                              f"and metrics.jsonl), e.g. a sweep's folder")
+    runs, not_started = find_runs(roots)
+    if not runs and not not_started:
+        raise ConfigError(f"no runs under {', '.join(roots)}: a run folder holds config.yaml and metrics.jsonl "
+                          f"(python -m fedhpc.launch --out DIR writes them)")
+    groups = group_runs(runs)
+    varying = varying_settings(groups)
+    # The table always names the algorithm and dataset; plot legends only what tells rows apart.
+    keys = ["algo", "dataset"] + [k for k in varying if k not in ("algo", "dataset")]
+    labels = [_label(g, varying or ["algo"]) for g in groups]
+    names = metric_names(groups)
+    os.makedirs(out_dir, exist_ok=True)
+
+    summaries = []
+    for i, (g, label) in enumerate(zip(groups, labels), 1):
+        finals, bests = final_stats(g, names), best_stats(g, names)
+        summaries.append({
+            "row": i, "label": label, "settings": g.settings, "n": len(g.runs),
+            "seeds": [r.seed for r in g.runs], "runs": [r.path for r in g.runs],
+            "final": {m: s.as_dict() for m, s in finals.items()},
+            "best": {m: s.as_dict() for m, s in bests.items()},
+            "target": None, "reference": g.reference or None,
+            "comparison": reference_comparison(g, finals, bests),
+            "_finals": finals, "_bests": bests,
+        })
+        if target is not None:
+            summaries[-1]["target"] = time_to_target(g, target)
+
+    doc = Document(title or f"fedhpc report: {', '.join(roots)}")
+    n_fin = sum(len(g.runs) for g in groups)
+    excluded = [r for r in runs if r.state.status != "finished" or r.config is None]
+    doc.para(f"{len(runs)} run(s) found, {n_fin} finished in {len(groups)} group(s) (runs that differ only "
+             f"in their seed); {len(excluded) + len(not_started)} not averaged in (listed at the end). "
+             f"Mean ± sample standard deviation over seeds; accuracies in %, bytes in MiB.")
+    if groups:
+        doc.heading("Results")
+        doc.table(_main_table(summaries, keys, names, target))
+        refs = [f"#{s['row']}: {s['comparison']['source']} ({s['comparison']['stat']} {s['comparison']['metric']}"
+                f"{' in %' if s['comparison']['unit'] == '%' else ''})" for s in summaries if s["comparison"]]
+        if refs:
+            doc.para("Paper numbers:")
+            doc.items(refs)
+        shared = {k: v for k, v in groups[0].settings.items() if k not in keys
+                  and all(json.dumps(g.settings.get(k), default=str) == json.dumps(v, default=str) for g in groups)}
+        if shared:
+            doc.para("Settings shared by every row: " + ", ".join(f"{k}={v}" for k, v in shared.items()))
+        doc.heading("All metrics at the final round")
+        doc.table([["metric"] + [f"#{s['row']}" for s in summaries]] +
+                  [[m + unit_of(m)] + [fmt_stat(s["_finals"].get(m), m) for s in summaries] for m in names])
+        plots = plot_groups(groups, labels, out_dir)
+        if plots:
+            doc.heading("Plots")
+            for name, path in plots.items():
+                doc.image(path, name.replace("_", " "))
+    if excluded or not_started:
+        doc.heading("Not averaged in")
+        doc.table([["run", "status"]] + [[r.path, r.state.describe()] for r in excluded] +
+                  [[p["path"], p["status"]] for p in not_started])
+
+    atomic_write_text(os.path.join(out_dir, "report.md"), doc.markdown())
+    atomic_write_text(os.path.join(out_dir, "report.html"), doc.html())
+    summary = {
+        "roots": roots, "groups": [{k: v for k, v in s.items() if not k.startswith("_")} for s in summaries],
+        "excluded": [{"path": r.path, "status": r.state.status, "last_round": r.state.last_round,
+                      "rounds": r.state.rounds, "exit_code": r.state.exit_code} for r in excluded] + not_started,
+    }
+    for s in summary["groups"]:
+        if s["target"]:
+            s["target"] = {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in s["target"].items()}
+    atomic_write_json(os.path.join(out_dir, "summary.json"), summary)
+    return summary
+
+
+def _main_table(summaries, keys: List[str], names: List[str], target: Optional[float]):
+    accs = [m for m in ("test_accuracy", "local_test_accuracy") if m in names]
+    header = ["#"] + keys + ["seeds"]
+    for m in accs:
+        what = "personalized acc" if m == "local_test_accuracy" else "acc"
+        header += [f"final {what} (%)", f"best {what} (%)"]
+    header.append("MiB up+down")
+    sim = "sim_seconds_total" in names
+    if sim:
+        header.append("sim. time (s)")
+    if target is not None:
+        header.append(f"round to {100 * target:g}%")
+    refs = any(s["comparison"] for s in summaries)
+    if refs:
+        header += ["paper", "ours (paper's metric)"]
+    table = [header]
+    for s in summaries:
+        f, b = s["_finals"], s["_bests"]
+        row = [f"{s['row']}"] + [str(s["settings"].get(k, "-")) for k in keys] + [str(s["n"])]
+        for m in accs:
+            row += [fmt_stat(f.get(m), m), fmt_stat(b.get(m), m)]
+        up, down = f.get("bytes_up_total"), f.get("bytes_down_total")
+        row.append(fmt_value(up.mean + down.mean, "bytes") if up and down else "–")
+        if sim:
+            row.append(fmt_stat(f.get("sim_seconds_total"), "sim_seconds_total"))
+        if target is not None:
+            t = s["target"]
+            row.append((fmt_stat(t["round"], "round") if t["round"] else "never") + f" ({t['reached']}/{t['of']})")
+        if refs:
+            c = s["comparison"]
+            if c:
+                ours = "–" if c["ours_mean"] is None else (
+                    f"{c['ours_mean']:.2f}" + (f" ± {c['ours_std']:.2f}" if c["ours_std"] is not None else ""))
+                row += [f"{c['paper_value']}", ours]
+            else:
+                row += ["", ""]
+        table.append(row)
+    return table

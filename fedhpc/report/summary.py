@@ -1,0 +1,133 @@
+"""Numbers of a report: per group, each metric's mean and standard deviation over seeds.
+
+Conventions (the papers differ; these are the readings chosen):
+  * final = the metric at the run's last evaluated round (= the configured last round);
+    best = the highest value over the evaluated rounds (accuracies only; ``best`` picks a
+    round with the test set, as the papers that report it do);
+  * std is the sample standard deviation over seeds (ddof = 1); with one seed it is undefined
+    and shown as such, never as 0;
+  * time to target: the first evaluated round whose test accuracy reaches ``target``, and the
+    cumulative bytes and simulated time at that round; averaged over the runs that reach it.
+Every numeric field of metrics.jsonl is summarised, whatever family wrote it; KNOWN_METRICS
+only decides which come first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .runs import Group
+
+# Shown first, in this order; everything else numeric follows alphabetically.
+KNOWN_METRICS = (
+    "test_accuracy", "local_test_accuracy", "cold_start_accuracy", "test_loss", "local_test_loss",
+    "train_loss", "bytes_up_total", "bytes_down_total", "sim_seconds_total",
+)
+# Bookkeeping, not results.
+SKIPPED = ("round", "clients")
+
+
+@dataclass
+class Stat:
+    values: List[float]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.values))
+
+    @property
+    def std(self) -> Optional[float]:
+        return float(np.std(self.values, ddof=1)) if self.n > 1 else None
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"mean": self.mean, "std": self.std, "n": self.n, "values": list(self.values)}
+
+
+def is_accuracy(metric: str) -> bool:
+    """Accuracies (and their spreads and tails) are shown in percent."""
+    return "accuracy" in metric
+
+
+def _numeric(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def metric_names(groups: List[Group]) -> List[str]:
+    names = {k for g in groups for r in g.runs for rec in r.records for k, v in rec.items()
+             if _numeric(v) and k not in SKIPPED}
+    return [m for m in KNOWN_METRICS if m in names] + sorted(names - set(KNOWN_METRICS))
+
+
+def final_stats(group: Group, names: List[str]) -> Dict[str, Stat]:
+    """Each metric at every run's last record (runs lacking the metric there are left out of it)."""
+    out = {}
+    for m in names:
+        vals = [float(r.records[-1][m]) for r in group.runs if _numeric(r.records[-1].get(m))]
+        if vals:
+            out[m] = Stat(vals)
+    return out
+
+
+def best_stats(group: Group, names: List[str]) -> Dict[str, Stat]:
+    out = {}
+    for m in names:
+        if not m.endswith("accuracy"):  # not their spreads (local_test_accuracy_std) or tails
+            continue
+        vals = []
+        for r in group.runs:
+            seen = [float(rec[m]) for rec in r.records if _numeric(rec.get(m))]
+            if seen:
+                vals.append(max(seen))
+        if vals:
+            out[m] = Stat(vals)
+    return out
+
+
+def time_to_target(group: Group, target: float, metric: str = "test_accuracy") -> Dict[str, Any]:
+    """Round, cumulative bytes (up + down) and simulated seconds at which ``metric`` first reaches ``target``."""
+    rounds, bytes_, sims = [], [], []
+    for r in group.runs:
+        hit = next((rec for rec in r.records if _numeric(rec.get(metric)) and rec[metric] >= target), None)
+        if hit is None:
+            continue
+        rounds.append(float(hit["round"]))
+        bytes_.append(float(hit.get("bytes_up_total", 0.0)) + float(hit.get("bytes_down_total", 0.0)))
+        if _numeric(hit.get("sim_seconds_total")):
+            sims.append(float(hit["sim_seconds_total"]))
+    return {"reached": len(rounds), "of": len(group.runs),
+            "round": Stat(rounds) if rounds else None, "bytes": Stat(bytes_) if bytes_ else None,
+            "sim_seconds": Stat(sims) if sims else None}
+
+
+def reference_comparison(group: Group, finals: Dict[str, Stat], bests: Dict[str, Stat]) -> Optional[Dict[str, Any]]:
+    """Our number on the reference's metric, in the paper's unit, beside the paper's value.
+
+    Schema of ``reference`` (a RunConfig field, free-form; these keys are read):
+      paper, table, row: where the number is printed; value: the number as printed;
+      metric: a metrics.jsonl key (default test_accuracy); stat: final | best (default final);
+      unit: "%" (the paper prints percent, ours are fractions: multiplied by 100) or "" (same
+      unit as metrics.jsonl); default "%" for metrics whose name holds "accuracy".
+    """
+    ref = group.reference
+    if not ref or "value" not in ref:
+        return None
+    metric = str(ref.get("metric", "test_accuracy"))
+    stat = str(ref.get("stat", "final"))
+    unit = str(ref.get("unit", "%" if "accuracy" in metric else ""))
+    ours = (bests if stat == "best" else finals).get(metric)
+    scale = 100.0 if unit == "%" else 1.0
+    source = ", ".join(str(ref[k]) for k in ("paper", "table", "row") if ref.get(k))
+    out = {"paper_value": ref["value"], "metric": metric, "stat": stat, "unit": unit, "source": source,
+           "ours_mean": None, "ours_std": None}
+    if ours is not None:
+        out["ours_mean"] = ours.mean * scale
+        out["ours_std"] = ours.std * scale if ours.std is not None else None
+    return out

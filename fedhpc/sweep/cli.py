@@ -1,0 +1,126 @@
+"""``python -m fedhpc.sweep GRID.yaml``: expand a grid, then submit it as a SLURM array or run it here.
+
+    python -m fedhpc.sweep sweeps/digits_demo.yaml --dry-run      # the points, their state, what would run
+    python -m fedhpc.sweep sweeps/digits_demo.yaml --local        # here, one point after another
+    python -m fedhpc.sweep sweeps/digits_demo.yaml --max-parallel 8   # sbatch --array=0-N%8
+
+The sweep folder (the grid's ``out``) holds ``points/<id>.yaml`` (each point's launch settings),
+``runs/<id>/`` (each run's --out), ``logs/``, ``slurm/array-<k>.sbatch`` and ``sweep.json``.
+Running the same command again skips finished points and resumes the others; it must not be
+re-submitted while an earlier array of the same sweep is still running (a point would run twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shlex
+import sys
+import time
+from typing import List, Optional
+
+from ..errors import FedHPCError
+from ..io import atomic_write_json, atomic_write_text
+from .grid import Grid, expand, load_grid, point_yaml
+from .local import launch_command, run_points
+from .slurm import render_array_script, slurm_options, submit
+from .state import run_state
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fedhpc.sweep", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("grid", help="grid YAML file (see fedhpc/sweep/grid.py and sweeps/)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--local", action="store_true", help="run the points here, one after another")
+    mode.add_argument("--no-submit", action="store_true", help="write the array script but do not call sbatch")
+    p.add_argument("--dry-run", action="store_true", help="print what would be done; write and run nothing")
+    p.add_argument("--ranks", type=int, help="ranks per point (overrides the grid's ranks)")
+    p.add_argument("--max-parallel", type=int, help="array tasks running at once (sbatch --array=...%%N)")
+    p.add_argument("--out", help="sweep folder (overrides the grid's out)")
+    return p
+
+
+def plan(grid: Grid, sweep_dir: str):
+    """Expand and validate ``grid``; return [(Point, RunState)] for every point."""
+    points = expand(grid)
+    return [(p, run_state(os.path.join(sweep_dir, "runs", p.id), p.rounds)) for p in points]
+
+
+def write_sweep(grid: Grid, planned, sweep_dir: str) -> None:
+    """points/<id>.yaml and the sweep.json manifest (the report lists points not started from it)."""
+    for sub in ("points", "runs", "logs", "slurm"):
+        os.makedirs(os.path.join(sweep_dir, sub), exist_ok=True)
+    for p, _ in planned:
+        atomic_write_text(os.path.join(sweep_dir, "points", f"{p.id}.yaml"), point_yaml(grid, p))
+    atomic_write_json(os.path.join(sweep_dir, "sweep.json"), {
+        "name": grid.name, "grid": os.path.abspath(grid.path), "ranks": grid.ranks, "written": time.time(),
+        "points": [{"index": p.index, "id": p.id, "label": p.label, "axes": p.axes, "rounds": p.rounds}
+                   for p, _ in planned],
+    })
+
+
+def _summary(planned) -> str:
+    counts = {}
+    for _, s in planned:
+        counts[s.status] = counts.get(s.status, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        grid = load_grid(args.grid)
+        if args.ranks is not None:
+            grid.ranks = args.ranks
+        if args.out:
+            grid.out = args.out
+        opts = slurm_options(grid.slurm)
+        if args.max_parallel is not None:
+            opts.max_parallel = args.max_parallel
+            opts.validate()
+        opts.tasks_per_node(grid.ranks)  # refuse an impossible layout before anything runs
+        sweep_dir = grid.out
+        planned = plan(grid, sweep_dir)
+        todo = [(p, s) for p, s in planned if s.status not in ("finished", "conflict")]
+        print(f"sweep {grid.name}: {len(planned)} point(s) ({_summary(planned)}) in {sweep_dir}")
+        for p, s in planned:
+            action = {"finished": "skip", "conflict": "skip (see fedhpc/sweep/state.py)"}.get(
+                s.status, "resume" if s.status != "not started" else "run")
+            print(f"  [{p.index}] {p.id}: {s.describe()} -> {action}")
+        if not todo:
+            print("nothing to do: every point is finished")
+            return 0
+
+        if args.local:
+            if args.dry_run:
+                for p, _ in todo:
+                    cmd = launch_command(os.path.join(sweep_dir, "points", f"{p.id}.yaml"),
+                                         os.path.join(sweep_dir, "runs", p.id), grid.ranks)
+                    print("would run: " + " ".join(shlex.quote(c) for c in cmd))
+                return 0
+            write_sweep(grid, planned, sweep_dir)
+            return run_points(todo, grid.ranks, sweep_dir)
+
+        k = len(glob.glob(os.path.join(sweep_dir, "slurm", "array-*.sbatch"))) + 1
+        script_path = os.path.join(sweep_dir, "slurm", f"array-{k}.sbatch")
+        script = render_array_script(grid.name, [p.id for p, _ in todo], grid.ranks, opts, sweep_dir, os.getcwd())
+        if args.dry_run:
+            print(f"would write {script_path} and submit it with sbatch --parsable:\n{script}")
+            return 0
+        write_sweep(grid, planned, sweep_dir)
+        atomic_write_text(script_path, script)
+        if args.no_submit:
+            print(f"wrote {script_path}; submit it with: sbatch {script_path}")
+            return 0
+        job = submit(script_path)
+        atomic_write_json(script_path[:-len(".sbatch")] + ".json",
+                          {"job_id": job, "ids": [p.id for p, _ in todo], "submitted": time.time()})
+        limit = f", at most {opts.max_parallel} at once" if opts.max_parallel else ""
+        print(f"submitted array job {job}: {len(todo)} task(s){limit}; logs in {sweep_dir}/logs. "
+              f"When it is done: python -m fedhpc.report {sweep_dir}")
+        return 0
+    except FedHPCError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code

@@ -1,0 +1,278 @@
+"""Grid files: a base configuration plus axes, expanded into named points.
+
+A grid is YAML with these top-level keys (anything else is refused)::
+
+    name: digits_demo                 # default: the file's stem
+    config: launch/fedmix_digits.yaml # optional launch/ file every point starts from
+    base: {rounds: 30, model: mlp}    # settings shared by every point (override `config`)
+    axes:                             # the cartesian product of these
+      seed: [0, 1, 2]
+    zip:                              # each group is ONE axis whose lists advance together
+      - algo: [fedavg, fedmix]
+        algo_options.lam: [null, 0.05]
+    ranks: 2                          # ranks per point (mpiexec -n / srun tasks)
+    out: runs/sweeps/digits_demo      # default: runs/sweeps/<name>
+    slurm: {time: "04:00:00", max_parallel: 8}   # see fedhpc.sweep.slurm.SlurmOptions
+
+Keys in ``base``, ``axes`` and ``zip`` are RunConfig fields, ``config`` (a launch/ file per
+point), or ``algo_options.KEY`` / ``data_options.KEY`` / ``model_options.KEY``. A ``null`` for an
+option key means "leave it out" (so one zip can pair fedavg, which takes no ``lam``, with fedmix).
+Points are enumerated with the zip groups outermost, then the axes in file order, the last
+axis fastest. Each point's settings are its config file < base < its axis values; mapping
+fields (``algo_options``...) are merged key by key, not replaced.
+
+Run ids: ``<label>-<hash>``, the label naming the point's axis values in that same order
+(``algo-fedmix_seed-1``) and the hash the first 8 hex digits of SHA-1 over the point's
+*identity* settings as written (RunConfig.IDENTITY: what a checkpoint must agree on). So an
+id does not depend on the point's position, on other points, or on settings that may change
+between a run and its resumption (rounds, eval cadence, threads): raise ``rounds`` in a
+finished sweep and the re-run resumes every point instead of starting over.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import itertools
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Tuple, get_type_hints
+
+import yaml
+
+from ..config import RunConfig, load_yaml, parse_args
+from ..errors import ConfigError, FedHPCError
+
+GRID_KEYS = ("name", "config", "base", "axes", "zip", "ranks", "out", "slurm")
+# The sweep chooses these per point; a grid that sets them would make points overwrite each other.
+SWEEP_OWNED = ("out", "resume")
+
+
+@dataclass
+class Point:
+    """One run of a sweep."""
+
+    index: int
+    id: str
+    label: str
+    axes: Dict[str, Any]          # this point's axis values, keys as written in the grid
+    settings: Dict[str, Any]      # the merged settings (config file < base < axes): a launch/ YAML
+    rounds: int = 0               # resolved by validation (RunConfig default when unset)
+
+
+@dataclass
+class Grid:
+    path: str
+    name: str
+    base: Dict[str, Any]
+    axes: List[Tuple[str, List[Any]]]
+    zips: List[List[Tuple[str, List[Any]]]]
+    config: Optional[str] = None
+    ranks: int = 1
+    out: str = ""
+    slurm: Dict[str, Any] = field(default_factory=dict)
+
+
+def _mapping_fields() -> List[str]:
+    hints = get_type_hints(RunConfig)
+    return [f.name for f in fields(RunConfig) if getattr(hints[f.name], "__origin__", None) is dict]
+
+
+def _check_key(key: str, where: str, path: str) -> None:
+    """Refuse a key that is not a setting, suggesting the nearest one."""
+    valid = [f.name for f in fields(RunConfig) if f.name not in SWEEP_OWNED] + ["config"]
+    if key in SWEEP_OWNED:
+        raise ConfigError(f"grid {path}: {where} sets {key!r}, which the sweep chooses for every point; remove it")
+    head, dot, tail = key.partition(".")
+    if dot:
+        if head not in _mapping_fields() or not tail:
+            raise ConfigError(f"grid {path}: {where} key {key!r}: only {', '.join(_mapping_fields())} "
+                              f"take dotted keys such as algo_options.lam")
+        return
+    if key not in valid:
+        near = difflib.get_close_matches(key, valid, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"grid {path}: {where} key {key!r} is not a setting{hint}; valid: {sorted(valid)}")
+
+
+def _axis_list(key: str, values: Any, where: str, path: str) -> List[Any]:
+    if not isinstance(values, list):
+        raise ConfigError(f"grid {path}: {where} {key!r} must be a list of values (write [{values!r}] for one)")
+    if not values:
+        raise ConfigError(f"grid {path}: {where} {key!r} is empty; give it at least one value or remove it")
+    return values
+
+
+def load_grid(path: str) -> Grid:
+    """Read and check a grid file's structure (points are validated by :func:`expand`)."""
+    raw = load_yaml(path)
+    unknown = sorted(set(raw) - set(GRID_KEYS))
+    if unknown:
+        raise ConfigError(f"grid {path} has unknown top-level key(s) {unknown}; valid: {list(GRID_KEYS)} "
+                          f"(settings go under base:, axes: or zip:)")
+    base = raw.get("base") or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"grid {path}: base must be a mapping of settings")
+    for k in base:
+        _check_key(k, "base", path)
+    axes_raw = raw.get("axes") or {}
+    if not isinstance(axes_raw, dict):
+        raise ConfigError(f"grid {path}: axes must be a mapping of setting: [values]")
+    axes = []
+    for k, v in axes_raw.items():
+        _check_key(k, "axes", path)
+        axes.append((k, _axis_list(k, v, "axis", path)))
+    zips_raw = raw.get("zip") or []
+    if isinstance(zips_raw, dict):
+        zips_raw = [zips_raw]
+    if not isinstance(zips_raw, list):
+        raise ConfigError(f"grid {path}: zip must be a list of groups, each a mapping of setting: [values]")
+    zips = []
+    for gi, group in enumerate(zips_raw):
+        if not isinstance(group, dict) or not group:
+            raise ConfigError(f"grid {path}: zip group {gi} must be a non-empty mapping of setting: [values]")
+        members = []
+        for k, v in group.items():
+            _check_key(k, f"zip group {gi}", path)
+            members.append((k, _axis_list(k, v, f"zip group {gi} list", path)))
+        lengths = {k: len(v) for k, v in members}
+        if len(set(lengths.values())) > 1:
+            raise ConfigError(f"grid {path}: zip group {gi} has lists of different lengths {lengths}; "
+                              f"zipped lists advance together, so give them equal lengths")
+        zips.append(members)
+    keys = [k for k, _ in axes] + [k for g in zips for k, _ in g]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ConfigError(f"grid {path}: {twice} appear in more than one axis or zip group; keep each key in one")
+    ranks = raw.get("ranks", 1)
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ConfigError(f"grid {path}: ranks must be a positive integer, got {ranks!r}")
+    slurm = raw.get("slurm") or {}
+    if not isinstance(slurm, dict):
+        raise ConfigError(f"grid {path}: slurm must be a mapping of sbatch settings")
+    name = str(raw.get("name") or os.path.splitext(os.path.basename(path))[0])
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise ConfigError(f"grid {path}: name {name!r} may hold only letters, digits, '.', '_' and '-'")
+    config = raw.get("config")
+    if config is not None and not isinstance(config, str):
+        raise ConfigError(f"grid {path}: config must be the path of one launch/ YAML file")
+    return Grid(path=path, name=name, base=base, axes=axes, zips=zips, config=config, ranks=ranks,
+                out=str(raw.get("out") or os.path.join("runs", "sweeps", name)), slurm=slurm)
+
+
+# --------------------------------------------------------------------------- expansion
+
+def _set(settings: Dict[str, Any], key: str, value: Any) -> None:
+    """Apply one setting; dotted keys and mapping fields merge into the mapping."""
+    head, dot, tail = key.partition(".")
+    if dot:
+        sub = settings.setdefault(head, {})
+        if value is None:
+            sub.pop(tail, None)
+        else:
+            sub[tail] = value
+    elif head in _mapping_fields():
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{head} must be a mapping of option: value, got {value!r}")
+        settings.setdefault(head, {}).update(value or {})
+    else:
+        settings[key] = value
+
+
+def _merge(config_file: Optional[str], layers: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    settings: Dict[str, Any] = {}
+    if config_file:
+        for k, v in load_yaml(config_file).items():
+            _set(settings, k, copy.deepcopy(v))
+    for k, v in layers:
+        _set(settings, k, copy.deepcopy(v))
+    return settings
+
+
+def _label_part(key: str, value: Any) -> List[str]:
+    short = key.split(".")[-1]
+    if key == "config":
+        return [os.path.splitext(os.path.basename(str(value)))[0]]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _label_part(k, v)]
+    if value is None:
+        return []
+    return [f"{short}-{value}"]
+
+
+def _label(axes: Dict[str, Any]) -> str:
+    parts = [re.sub(r"[^A-Za-z0-9._+-]+", "-", p).strip("-") for k, v in axes.items() for p in _label_part(k, v)]
+    return "_".join(p for p in parts if p)[:80] or "run"
+
+
+def run_hash(settings: Dict[str, Any]) -> str:
+    """8 hex digits of SHA-1 over the identity settings as written (canonical JSON)."""
+    ident = {k: settings[k] for k in RunConfig.IDENTITY if k in settings}
+    blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:8]
+
+
+def expand(grid: Grid, validate: bool = True) -> List[Point]:
+    """All points of ``grid`` with their ids; with ``validate`` each is checked as the launcher
+    would check it (``fedhpc.config.parse_args``) and every bad point is named in one ConfigError."""
+    # A zip group is one axis whose values are tuples of (key, value) pairs.
+    dims: List[List[List[Tuple[str, Any]]]] = []
+    for group in grid.zips:
+        dims.append([[(k, vals[i]) for k, vals in group] for i in range(len(group[0][1]))])
+    for k, vals in grid.axes:
+        dims.append([[(k, v)] for v in vals])
+    order = [k for g in grid.zips for k, _ in g] + [k for k, _ in grid.axes]  # labels read like the loop nest
+    points: List[Point] = []
+    for index, combo in enumerate(itertools.product(*dims)):
+        pairs = [kv for member in combo for kv in member]
+        values = dict(pairs)
+        config_file = values.pop("config", grid.config)
+        layers = list(grid.base.items()) + [(k, v) for k, v in pairs if k != "config"]
+        try:
+            settings = _merge(config_file, layers)
+        except ConfigError as e:
+            raise ConfigError(f"grid {grid.path}: point {index} ({values}): {e}")
+        axes = {k: dict(pairs)[k] for k in order}
+        label = _label(axes)
+        points.append(Point(index, f"{label}-{run_hash(settings)}", label, axes, settings))
+    seen: Dict[str, int] = {}
+    for p in points:
+        if p.id in seen:
+            raise ConfigError(f"grid {grid.path}: points {seen[p.id]} and {p.index} are the same run "
+                              f"({p.id}); remove the duplicate from the axes or zip groups")
+        seen[p.id] = p.index
+    if validate:
+        validate_points(grid, points)
+    return points
+
+
+def validate_points(grid: Grid, points: List[Point]) -> None:
+    """Run each point's settings through the launcher's own parser; refuse the grid naming every bad point."""
+    bad = []
+    with tempfile.TemporaryDirectory(prefix="fedhpc-sweep-") as tmp:
+        for p in points:
+            path = os.path.join(tmp, f"{p.index}.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(p.settings, f, sort_keys=False)
+            try:
+                cfg, _, _ = parse_args(["--config", path])
+                p.rounds = cfg.rounds
+            except FedHPCError as e:
+                bad.append(f"  point {p.index} ({p.label}): {str(e).replace(repr(path), 'its settings')}")
+            except SystemExit:  # argparse on a malformed value
+                bad.append(f"  point {p.index} ({p.label}): settings rejected by the launcher's parser")
+    if bad:
+        more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+        raise ConfigError(f"grid {grid.path}: {len(bad)} of {len(points)} point(s) fail validation, "
+                          f"nothing was run or submitted:\n" + "\n".join(bad[:20]) + more)
+
+
+def point_yaml(grid: Grid, p: Point) -> str:
+    """The launch/ YAML of one point: what `python -m fedhpc.launch --config` reads."""
+    head = (f"# point {p.index} of sweep {grid.name} ({grid.path}); id {p.id}\n"
+            f"# axes: {json.dumps(p.axes, default=str)}\n")
+    return head + yaml.safe_dump(p.settings, sort_keys=False)

@@ -1,0 +1,105 @@
+"""Where a run stands, read from its --out folder alone (so a re-submitted sweep and the report agree).
+
+finished     final_model.pt exists and metrics.jsonl's last round equals the configured rounds
+failed       not finished, and the last attempt exited with an error (status.json, written by
+             the sweep's runners: slurm/step.sh and the local runner)
+interrupted  not finished, and started (metrics, a checkpoint, or an attempt that was stopped
+             by a signal / pre-empted): the next attempt resumes it
+conflict     metrics.jsonl runs past the configured rounds (the grid lowered ``rounds`` after the
+             run): neither resumable nor comparable; delete the folder or restore ``rounds``
+not started  nothing there yet
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from ..io import atomic_write_json
+
+STATUS_FILE = "status.json"
+# Exit codes that mean "stopped, run again": 75 = checkpointed after SIGTERM/SIGUSR1 (engine),
+# 130 / 143 = killed by SIGINT / SIGTERM before it could checkpoint (negative: Popen's form).
+INTERRUPTED_CODES = (75, 130, 143, -2, -15)
+
+
+@dataclass
+class RunState:
+    status: str
+    last_round: int = 0
+    rounds: Optional[int] = None
+    exit_code: Optional[int] = None
+
+    def describe(self) -> str:
+        where = f"round {self.last_round}/{self.rounds if self.rounds is not None else '?'}"
+        if self.status == "failed":
+            return f"failed (exit {self.exit_code}, {where})"
+        if self.status in ("interrupted", "finished", "conflict"):
+            return f"{self.status} ({where})"
+        return self.status
+
+
+def read_metrics(run_dir: str) -> List[Dict[str, Any]]:
+    """metrics.jsonl's records in order; a torn last line (a crash mid-write) is skipped."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    records = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "round" in rec:
+                    records.append(rec)
+    return records
+
+
+def read_config(run_dir: str) -> Optional[Dict[str, Any]]:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    return data if isinstance(data, dict) else None
+
+
+def read_exit_code(run_dir: str) -> Optional[int]:
+    try:
+        with open(os.path.join(run_dir, STATUS_FILE)) as f:
+            return int(json.load(f)["exit_code"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_status(run_dir: str, exit_code: int, where: str) -> None:
+    """Record how an attempt ended (the runners call this; the engine does not need to)."""
+    atomic_write_json(os.path.join(run_dir, STATUS_FILE),
+                      {"exit_code": int(exit_code), "where": where, "ended": time.time()})
+
+
+def run_state(run_dir: str, rounds: Optional[int] = None,
+              records: Optional[List[Dict[str, Any]]] = None) -> RunState:
+    """The state of the run in ``run_dir``; ``rounds`` defaults to its config.yaml's."""
+    if rounds is None:
+        cfg = read_config(run_dir) or {}
+        rounds = cfg.get("rounds")
+    records = read_metrics(run_dir) if records is None else records
+    last = int(records[-1]["round"]) if records else 0
+    code = read_exit_code(run_dir)
+    has_final = os.path.exists(os.path.join(run_dir, "final_model.pt"))
+    started = bool(records) or has_final or os.path.exists(os.path.join(run_dir, "checkpoints", "LATEST"))
+    if rounds is not None and last > rounds:
+        return RunState("conflict", last, rounds, code)
+    if has_final and rounds is not None and last == rounds:
+        return RunState("finished", last, rounds, code)
+    if code is not None and code != 0 and code not in INTERRUPTED_CODES:
+        return RunState("failed", last, rounds, code)
+    if started or code is not None:
+        return RunState("interrupted", last, rounds, code)
+    return RunState("not started", 0, rounds, None)

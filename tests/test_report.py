@@ -1,0 +1,168 @@
+"""fedhpc.report on a small local sweep (2 algorithms x 2 seeds on digits): every number is recomputed
+here from the metrics files; plus the TensorBoard HParams summaries, read back from the event files."""
+
+import json
+import os
+import shutil
+import statistics
+
+import pytest
+import yaml
+
+from fedhpc.report.cli import main as report_main
+from fedhpc.sweep.cli import main as sweep_main
+
+REFERENCE = {"paper": "FedMix (ICLR 2021)", "table": "Table 1", "row": "FedProx, CIFAR-10",
+             "metric": "test_accuracy", "value": 81.2}
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    grid = root / "g.yaml"
+    grid.write_text(yaml.safe_dump({
+        "name": "rep", "out": str(root / "sweep"),
+        "base": {"rounds": 3, "num_clients": 8, "clients_per_round": 4, "model": "mlp", "lr": 0.1,
+                 "quiet": True, "threads": 1, "tensorboard": False},
+        "zip": [{"algo": ["fedavg", "fedprox"], "reference": [{}, REFERENCE]}],
+        "axes": {"seed": [0, 1]},
+    }))
+    assert sweep_main([str(grid), "--local"]) == 0
+    return root / "sweep"
+
+
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _by_algo(sweep_dir):
+    out = {}
+    for name in sorted(os.listdir(sweep_dir / "runs")):
+        run = sweep_dir / "runs" / name
+        algo = yaml.safe_load((run / "config.yaml").read_text())["algo"]
+        out.setdefault(algo, []).append(_records(run))
+    return out
+
+
+def _cell(values):
+    return f"{100 * statistics.mean(values):.2f} ± {100 * statistics.stdev(values):.2f}"
+
+
+def test_report_numbers_match_the_metrics_files(sweep_dir, tmp_path):
+    # An interrupted copy of a run and a failed run: listed, never averaged in.
+    extra = tmp_path / "extra"
+    first = sorted(os.listdir(sweep_dir / "runs"))[0]
+    shutil.copytree(sweep_dir / "runs" / first, extra / "partial")
+    lines = (extra / "partial" / "metrics.jsonl").read_text().splitlines()
+    (extra / "partial" / "metrics.jsonl").write_text(lines[0] + "\n")
+    (extra / "partial" / "final_model.pt").unlink()
+    (extra / "failed").mkdir()
+    shutil.copy(sweep_dir / "runs" / first / "config.yaml", extra / "failed" / "config.yaml")
+    (extra / "failed" / "status.json").write_text(json.dumps({"exit_code": 3}))
+
+    out = tmp_path / "rep"
+    assert report_main([str(sweep_dir), str(extra), "--out", str(out), "--target", "0.3"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    md = (out / "report.md").read_text()
+    runs = _by_algo(sweep_dir)
+    assert [g["settings"]["algo"] for g in summary["groups"]] == ["fedavg", "fedprox"]
+    for g in summary["groups"]:
+        recs = runs[g["settings"]["algo"]]
+        assert g["n"] == 2 and sorted(g["seeds"]) == [0, 1]
+        final = [r[-1]["test_accuracy"] for r in recs]
+        best = [max(x["test_accuracy"] for x in r) for r in recs]
+        local = [r[-1]["local_test_accuracy"] for r in recs]
+        assert g["final"]["test_accuracy"]["mean"] == pytest.approx(statistics.mean(final), abs=1e-12)
+        assert g["final"]["test_accuracy"]["std"] == pytest.approx(statistics.stdev(final), abs=1e-12)
+        assert g["best"]["test_accuracy"]["mean"] == pytest.approx(statistics.mean(best), abs=1e-12)
+        assert g["final"]["test_loss"]["mean"] == pytest.approx(statistics.mean(r[-1]["test_loss"] for r in recs))
+        assert "local_test_accuracy_std" not in g["best"]  # best only of accuracies, not of their spreads
+        mib = statistics.mean(r[-1]["bytes_up_total"] + r[-1]["bytes_down_total"] for r in recs) / 2**20
+        hit = [next(x["round"] for x in r if x["test_accuracy"] >= 0.3) for r in recs
+               if any(x["test_accuracy"] >= 0.3 for x in r)]
+        row = next(l for l in md.splitlines() if l.startswith(f"| {g['row']} | {g['settings']['algo']} | digits | 2 |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[4:9] == [_cell(final), _cell(best), _cell(local),
+                              _cell([max(x["local_test_accuracy"] for x in r) for r in recs]),
+                              f"{mib:.2f}" if mib >= 1 else f"{mib:.3g}"]
+        assert cells[9].endswith(f"({len(hit)}/2)")
+        if hit:
+            assert cells[9].startswith(f"{statistics.mean(hit):.4g}")
+        if g["settings"]["algo"] == "fedprox":
+            assert g["reference"] == REFERENCE and cells[10:] == ["81.2", _cell(final)]
+            assert g["comparison"]["ours_mean"] == pytest.approx(100 * statistics.mean(final))
+        else:
+            assert g["reference"] is None and cells[10:] == ["", ""]
+    assert "FedMix (ICLR 2021), Table 1, FedProx, CIFAR-10 (final test_accuracy in %)" in md
+
+    excluded = {os.path.basename(e["path"]): e for e in summary["excluded"]}
+    assert excluded.keys() == {"partial", "failed"}
+    assert excluded["failed"]["status"] == "failed" and excluded["failed"]["exit_code"] == 3
+    assert excluded["partial"]["status"] == "interrupted" and excluded["partial"]["last_round"] == 1
+    assert "| interrupted (round 1/3) |" in md and "| failed (exit 3, round 0/3) |" in md
+
+    for name in ("accuracy_vs_round", "accuracy_vs_bytes", "accuracy_vs_time", "personalized_accuracy_vs_round"):
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 200_000
+        assert f"({name}.png)" in md
+    html = (out / "report.html").read_text()
+    assert html.count("<table>") == 3 and "<img src='accuracy_vs_round.png'" in html and "81.2" in html
+
+
+def test_plotted_curves_are_the_mean_over_seeds(sweep_dir):
+    from fedhpc.report.plots import _mib, _rounds, curve
+    from fedhpc.report.runs import find_runs, group_runs
+
+    runs, _ = find_runs([str(sweep_dir)])
+    groups = group_runs(runs)
+    recs = _by_algo(sweep_dir)
+    for g in groups:
+        mine = recs[g.settings["algo"]]
+        xs, mean, std = curve(g, "test_accuracy", _rounds)
+        assert list(xs) == [1, 2, 3]
+        for i in range(3):
+            col = [r[i]["test_accuracy"] for r in mine]
+            assert mean[i] == pytest.approx(statistics.mean(col)) and std[i] == pytest.approx(statistics.stdev(col))
+        xs, _, _ = curve(g, "test_accuracy", _mib)
+        assert xs[-1] == pytest.approx(statistics.mean(r[-1]["bytes_up_total"] + r[-1]["bytes_down_total"]
+                                                       for r in mine) / 2**20)
+
+
+def test_one_seed_has_no_spread_and_empty_folders_are_refused(tmp_path, capsys):
+    from fedhpc.report.render import fmt_stat
+    from fedhpc.report.summary import Stat
+
+    assert fmt_stat(Stat([0.5]), "test_accuracy") == "50.00"
+    assert fmt_stat(Stat([0.5, 0.7]), "test_accuracy") == f"60.00 ± {100 * statistics.stdev([0.5, 0.7]):.2f}"
+    assert report_main([str(tmp_path)]) == 2 and "no runs under" in capsys.readouterr().err
+    assert report_main([str(tmp_path / "nope")]) == 2 and "is not a folder" in capsys.readouterr().err
+
+
+def test_hparams_are_readable_from_the_event_files(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    from fedhpc.report import write_hparams
+
+    config = {"algo": "fedmix", "lr": 0.05, "rounds": 30, "quiet": True, "local_eval": False, "out": "runs/x",
+              "algo_options": {"lam": 0.05, "prox_mu": 0.0}, "data_options": {}, "model_options": {"widths": [1, 2]},
+              "reference": {"value": 81.2}, "seed": 3}
+    final = {"round": 30, "test_accuracy": 0.91, "test_loss": 0.3, "bytes_up_total": 1e6, "stop": False}
+    write_hparams(str(tmp_path), config, final)
+
+    ev = EventAccumulator(str(tmp_path))
+    ev.Reload()
+    content = ev.PluginTagToContent(metadata.PLUGIN_NAME)
+    start = HParamsPluginData.FromString(content[metadata.SESSION_START_INFO_TAG]).session_start_info
+    hp = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
+    assert hp == {"algo": "fedmix", "lr": 0.05, "rounds": 30.0, "seed": 3.0, "local_eval": "false",
+                  "algo_options.lam": 0.05, "algo_options.prox_mu": 0.0}
+    experiment = HParamsPluginData.FromString(content[metadata.EXPERIMENT_TAG]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == {
+        "hparams/test_accuracy", "hparams/test_loss", "hparams/bytes_up_total"}
+    assert {h.name for h in experiment.hparam_infos} == set(hp)
+    for tag, value in (("hparams/test_accuracy", 0.91), ("hparams/bytes_up_total", 1e6)):
+        (s,) = ev.Scalars(tag)
+        assert s.step == 30 and s.value == pytest.approx(value)

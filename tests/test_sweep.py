@@ -1,0 +1,186 @@
+"""fedhpc.sweep: grid expansion (products, zips, stable ids), refusal of bad grids, and a local
+sweep that skips finished points, resumes an interrupted one and records a failed one."""
+
+import itertools
+import json
+
+import pytest
+import torch
+import yaml
+
+from fedhpc.errors import ConfigError
+from fedhpc.sweep import expand, load_grid, run_state
+from fedhpc.sweep.cli import main as sweep_main
+from fedhpc.sweep.grid import point_yaml, run_hash
+
+TINY = {"num_clients": 8, "clients_per_round": 4, "model": "mlp", "quiet": True, "threads": 1,
+        "tensorboard": False, "rounds": 3, "checkpoint_every": 1}
+
+
+def write_grid(tmp_path, grid: dict, name="g.yaml") -> str:
+    grid.setdefault("out", str(tmp_path / "sweep"))
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(grid, sort_keys=False))
+    return str(path)
+
+
+def test_product_times_zip_enumerates_every_combination_once(tmp_path):
+    path = write_grid(tmp_path, {
+        "base": {"rounds": 2, "model": "mlp"},
+        "zip": [{"algo": ["fedavg", "fedprox"], "lr": [0.05, 0.1]}],
+        "axes": {"seed": [0, 1, 2], "batch_size": [10, 20]},
+    })
+    points = expand(load_grid(path))
+    expected = [{"algo": a, "lr": lr, "seed": s, "batch_size": b}
+                for (a, lr), s, b in itertools.product([("fedavg", 0.05), ("fedprox", 0.1)], [0, 1, 2], [10, 20])]
+    assert [p.axes for p in points] == expected  # zip outermost, last axis fastest
+    assert [p.index for p in points] == list(range(12))
+    for p, e in zip(points, expected):
+        assert p.settings == {"rounds": 2, "model": "mlp", **e}
+        assert p.rounds == 2
+    assert points[0].label == "algo-fedavg_lr-0.05_seed-0_batch_size-10"
+    assert len({p.id for p in points}) == 12
+
+
+def test_ids_are_stable_and_depend_only_on_the_point(tmp_path):
+    grid = {"base": {"rounds": 2}, "axes": {"algo": ["fedavg", "fedprox"], "seed": [0, 1]}}
+    ids = {tuple(p.axes.values()): p.id for p in expand(load_grid(write_grid(tmp_path, dict(grid))))}
+    assert ids == {tuple(p.axes.values()): p.id for p in expand(load_grid(write_grid(tmp_path, dict(grid))))}
+    # More seeds, values in another order, more rounds: the old points keep their ids.
+    grown = {"base": {"rounds": 50}, "axes": {"algo": ["fedprox", "fedavg"], "seed": [2, 1, 0]}}
+    ids2 = {tuple(p.axes.values()): p.id for p in expand(load_grid(write_grid(tmp_path, grown)))}
+    assert all(ids2[k] == v for k, v in ids.items()) and len(ids2) == 6
+    # A setting that changes what is computed changes every id.
+    other = {"base": {"rounds": 2, "lr": 0.2}, "axes": grid["axes"]}
+    ids3 = {tuple(p.axes.values()): p.id for p in expand(load_grid(write_grid(tmp_path, other)))}
+    assert not set(ids3.values()) & set(ids.values())
+    # The hash is SHA-1 over the identity settings as written, recomputed here independently.
+    import hashlib
+    p = expand(load_grid(write_grid(tmp_path, dict(grid))))[3]
+    blob = json.dumps({"algo": "fedprox", "seed": 1}, sort_keys=True, separators=(",", ":"))
+    assert p.id == "algo-fedprox_seed-1-" + hashlib.sha1(blob.encode()).hexdigest()[:8] == f"{p.label}-{run_hash(p.settings)}"
+
+
+def test_config_file_base_and_axes_merge_in_that_order(tmp_path):
+    launch_file = tmp_path / "l.yaml"
+    launch_file.write_text(yaml.safe_dump({"algo": "fedmix", "rounds": 100, "lr": 0.05,
+                                           "algo_options": {"lam": 0.05, "prox_mu": 0.0}}))
+    path = write_grid(tmp_path, {
+        "config": str(launch_file), "base": {"rounds": 4, "model": "mlp"},
+        "zip": [{"algo": ["fedavg", "fedmix"], "algo_options.lam": [None, 0.2], "algo_options.prox_mu": [None, 0.1]}],
+    })
+    fedavg, fedmix = expand(load_grid(path))
+    assert fedavg.settings == {"algo": "fedavg", "rounds": 4, "lr": 0.05, "algo_options": {}, "model": "mlp"}
+    assert fedmix.settings["algo_options"] == {"lam": 0.2, "prox_mu": 0.1} and fedmix.settings["rounds"] == 4
+    assert fedmix.label == "algo-fedmix_lam-0.2_prox_mu-0.1" and fedavg.label == "algo-fedavg"
+    assert yaml.safe_load(point_yaml(load_grid(path), fedmix)) == fedmix.settings
+    # A mapping in base is merged into the file's, key by key, not put in its place.
+    path = write_grid(tmp_path, {"config": str(launch_file), "base": {"algo_options": {"prox_mu": 0.1}}}, "g2.yaml")
+    (only,) = expand(load_grid(path))
+    assert only.settings["algo_options"] == {"lam": 0.05, "prox_mu": 0.1} and only.label == "run"
+
+
+@pytest.mark.parametrize("grid, words", [
+    ({"axis": {"seed": [0]}}, "unknown top-level key"),
+    ({"axes": {"sed": [0, 1]}}, "did you mean 'seed'"),
+    ({"axes": {"seed": []}}, "'seed' is empty"),
+    ({"axes": {"seed": 3}}, "must be a list"),
+    ({"zip": [{"algo": ["fedavg", "fedprox"], "lr": [0.1]}]}, "different lengths"),
+    ({"axes": {"seed": [0]}, "zip": [{"seed": [1]}]}, "more than one"),
+    ({"base": {"out": "x"}}, "sweep chooses"),
+    ({"base": {"colour_options.x": 1}}, "dotted keys"),
+    ({"ranks": 0}, "ranks"),
+    ({"slurm": {"gpus": 1}}, "no option"),
+    ({"ranks": 3, "slurm": {"nodes": 2}}, "multiple of slurm.nodes"),
+])
+def test_bad_grids_are_refused_before_anything_is_written(tmp_path, capsys, grid, words):
+    path = write_grid(tmp_path, grid)
+    assert sweep_main([path, "--local"]) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_points_failing_validation_are_named(tmp_path, capsys):
+    path = write_grid(tmp_path, {"base": TINY, "axes": {"lr": [0.1, -1.0], "clients_per_round": [4, 99]}})
+    with pytest.raises(ConfigError) as e:
+        expand(load_grid(path))
+    msg = str(e.value)
+    assert "3 of 4 point(s)" in msg and "point 0" not in msg
+    assert "point 1 (lr-0.1_clients_per_round-99): --clients-per-round" in msg
+    assert "point 2 (lr--1.0_clients_per_round-4): --lr must be a positive number" in msg
+    assert sweep_main([path]) == 2 and "point 3" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    path = write_grid(tmp_path, {"base": TINY, "axes": {"seed": [0, 1]}, "ranks": 2})
+    assert sweep_main([path, "--local", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("would run: ") == 2 and out.count(" -n 2 ") == 2 and "--resume" in out
+    assert sweep_main([path, "--dry-run", "--max-parallel", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --array=0-1%1" in out and "#SBATCH --ntasks-per-node=2" in out
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_slurm_mode_without_sbatch_says_what_to_do(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    path = write_grid(tmp_path, {"base": TINY, "axes": {"seed": [0]}})
+    assert sweep_main([path]) == 2
+    err = capsys.readouterr().err
+    assert "sbatch is not on PATH" in err and "--local" in err
+    assert sweep_main([path, "--no-submit"]) == 0
+    script = (tmp_path / "sweep" / "slurm" / "array-1.sbatch").read_text()
+    assert "#SBATCH --array=0-0" in script and "step.sh" in script
+
+
+def _run_in_process(yaml_path, run_dir, *extra):
+    from fedhpc.launch import main as launch_main
+    assert launch_main(["--config", yaml_path, "--out", run_dir, "--resume", *extra]) == 0
+
+
+def test_local_sweep_skips_finished_resumes_interrupted_and_records_failures(tmp_path, capsys):
+    torch.set_num_threads(1)
+    empty = tmp_path / "no_data"
+    empty.mkdir()
+    path = write_grid(tmp_path, {"base": {**TINY, "data_dir": str(empty)},
+                                 "zip": [{"seed": [0, 1, 2, 3], "dataset": ["digits"] * 3 + ["mnist"]}]})
+    grid = load_grid(path)
+    p0, p1, p2, p3 = expand(grid)
+    runs = tmp_path / "sweep" / "runs"
+    for p in (p0, p1):
+        f = tmp_path / f"{p.id}.yaml"
+        f.write_text(point_yaml(grid, p))
+        # point 0 finished before the sweep; point 1 stopped after its first round
+        _run_in_process(str(f), str(runs / p.id), *(["--rounds", "1"] if p is p1 else []))
+    final0 = runs / p0.id / "final_model.pt"
+    before0 = (final0.stat().st_mtime_ns, (runs / p0.id / "metrics.jsonl").read_text())
+    first1 = json.loads((runs / p1.id / "metrics.jsonl").read_text().splitlines()[0])
+    assert run_state(str(runs / p1.id), 3).status == "interrupted"
+    capsys.readouterr()
+
+    assert sweep_main([path, "--local"]) == 1  # one point fails: reported, the others still run
+    out = capsys.readouterr().out
+    assert f"{p0.id}: finished (round 3/3) -> skip" in out
+    assert f"{p1.id}: interrupted (round 1/3) -> resume" in out and "resuming after round 1" in out
+    assert f"FAILED (exit 2)" in out and p3.id in out
+    # finished point untouched, never launched
+    assert (final0.stat().st_mtime_ns, (runs / p0.id / "metrics.jsonl").read_text()) == before0
+    assert not (tmp_path / "sweep" / "logs" / f"{p0.id}.log").exists()
+    # interrupted point resumed from its checkpoint: round 1 is the same record (timings included)
+    recs1 = [json.loads(l) for l in (runs / p1.id / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in recs1] == [1, 2, 3] and recs1[0] == first1
+    assert "resumed from" in (tmp_path / "sweep" / "logs" / f"{p1.id}.log").read_text()
+    for p in (p0, p1, p2):
+        assert run_state(str(runs / p.id), 3).status == "finished"
+    failed = run_state(str(runs / p3.id), 3)
+    assert failed.status == "failed" and failed.exit_code == 2
+    assert "mnist" in (tmp_path / "sweep" / "logs" / f"{p3.id}.log").read_text().lower()
+    manifest = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [q["id"] for q in manifest["points"]] == [p.id for p in (p0, p1, p2, p3)]
+
+    # Run again: only the failed point would be retried.
+    assert sweep_main([path, "--local", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("would run: ") == 1 and p3.id in out.split("would run: ")[1]
+    assert "1 failed" in out and "3 finished" in out
