@@ -488,13 +488,13 @@ class Engine:
 
     def _write_hparams(self, final: Dict[str, float]) -> None:
         """Hyperparameters and final metrics for TensorBoard's HParams tab (a sweep compares runs there)."""
-        if not self.cfg.tensorboard:
+        if self._tb is None:
             return
         try:
             from .report.tensorboard import write_hparams
         except ImportError:  # tensorboard not installed: the scalars were skipped too
             return
-        write_hparams(os.path.join(self.cfg.out, "tensorboard"), self.cfg.to_dict(), final)
+        write_hparams(os.path.join(self.cfg.out, "tensorboard"), self.cfg.to_dict(), final, writer=self._tb)
 
     def _close_outputs(self) -> None:
         if self._metrics_file is not None:

@@ -26,6 +26,11 @@ def _atomic(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
         raise
 
 
+def atomic_write_bytes(path: str, write: Callable[[Any], None]) -> None:
+    """Write a binary file atomically through ``write(file_object)`` (plots, archives...)."""
+    _atomic(path, write)
+
+
 def atomic_torch_save(obj: Any, path: str) -> None:
     _atomic(path, lambda f: torch.save(obj, f))
 

@@ -27,17 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError, RankFailure
-
-
-def first_host(nodelist: str) -> str:
-    """First host of a SLURM hostlist: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
-    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
-    prefix, _, ranges = m.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+from .hostlist import first_host
 
 
 def _free_port() -> int:
