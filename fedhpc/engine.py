@@ -211,6 +211,7 @@ class Engine:
         }
         if self.channel_active:
             metrics.update(self._link_metrics(buf, len(sampled), server_s))
+        metrics.update(algo.extra_metrics())
         change = self._relative_change()
         if change is not None:
             metrics["relative_change"] = change

@@ -294,6 +294,11 @@ class Algorithm:
             return global_state
         return totals["params"] / weight_total
 
+    def extra_metrics(self) -> Dict[str, float]:
+        """Numbers of the algorithm's own to log with each round (identical on every rank):
+        privacy measures, per-label figures... Merged into metrics.jsonl and TensorBoard."""
+        return {}
+
     def convergence_state(self, global_state: torch.Tensor) -> Optional[torch.Tensor]:
         """The global quantity whose relative change decides convergence (``--stop-epsilon``):
         the global model by default; FD-style methods return their global outputs."""

@@ -1,0 +1,31 @@
+"""Mix2FLD (Mix2FLD paper Sec. III-C, Eqs. 7-8, Alg. 1): MixFLD whose server inversely mixes the seeds.
+
+Devices upload mixed seeds as in MixFLD. The server combines N mixed seeds from N
+*different* devices whose label tuples are rotations of each other (for N = 2: labels
+(a, b) mixed with lambda on one device and (b, a) on another) with the inverse of the
+circulant mixing matrix (Eq. 8; for N = 2, lambda_hat = lambda / (2 lambda - 1), negative
+weights expected), so every result carries a *hard* label, and trains on N_I >= N_S such
+samples per device instead of the soft-labelled seeds
+(:func:`fedhpc.exchanges.seed_samples.inverse_mixup`). Seeds of one device are never
+combined (that could restore a raw sample). Everything else is FLD's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..exchanges.seed_samples import SeedSet, inverse_mixup
+from . import register_algorithm
+from .base import derive_seed
+from .mixfld import MixFLD
+
+
+@register_algorithm("mix2fld")
+class Mix2FLD(MixFLD):
+    """FLD with two-way mixup: mixed seeds up, inversely mixed hard-labelled samples on the server."""
+
+    def server_samples(self, collected: SeedSet) -> SeedSet:
+        o = self.options
+        n_out = o.inverse_per_device * self.data.num_clients  # N_I per device
+        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "inverse-mixup"))
+        return inverse_mixup(collected, n_out, N=len(o.ratios()), generator=g)
