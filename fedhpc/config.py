@@ -201,6 +201,8 @@ def _catalogue() -> str:
     for n in ALGORITHMS.names():
         doc = (ALGORITHMS.get(n).__doc__ or "").strip().splitlines()
         lines.append(f"  {n:14s} {doc[0] if doc else ''}")
+    for alias, name in sorted(ALGORITHMS.aliases().items()):
+        lines.append(f"  {alias:14s} = {name}")
     lines.append("datasets:")
     for n in DATASETS.names():
         lines.append(f"  {n:14s} {DATASETS.get(n).help}")

@@ -212,7 +212,9 @@ class Engine:
         if self.channel_active:
             metrics.update(self._link_metrics(buf, len(sampled), server_s))
         metrics.update(algo.extra_metrics())
-        change = self._relative_change()
+        # A round in which no upload arrived (every device a straggler) changes nothing: that
+        # is not convergence, so the stopping rule only looks at rounds with an update.
+        change = self._relative_change() if weight_total > 0 else None
         if change is not None:
             metrics["relative_change"] = change
             if cfg.stop_epsilon > 0 and change < cfg.stop_epsilon:

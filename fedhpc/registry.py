@@ -13,6 +13,7 @@ class Registry(Generic[T]):
     def __init__(self, kind: str):
         self.kind = kind
         self._entries: Dict[str, T] = {}
+        self._aliases: Dict[str, str] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
         key = name.lower()
@@ -25,8 +26,18 @@ class Registry(Generic[T]):
 
         return deco
 
+    def alias(self, alias: str, name: str) -> None:
+        """Make ``alias`` another name of the entry ``name`` (listed apart, never twice in names())."""
+        self._aliases[alias.lower()] = name.lower()
+
+    def canonical(self, name: str) -> str:
+        return self._aliases.get(name.lower(), name.lower())
+
+    def aliases(self) -> Dict[str, str]:
+        return dict(self._aliases)
+
     def get(self, name: str) -> T:
-        key = name.lower()
+        key = self.canonical(name)
         if key not in self._entries:
             raise ConfigError(
                 f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}"
@@ -37,4 +48,4 @@ class Registry(Generic[T]):
         return sorted(self._entries)
 
     def __contains__(self, name: str) -> bool:
-        return name.lower() in self._entries
+        return self.canonical(name) in self._entries

@@ -112,3 +112,15 @@ def test_nan_loss_stops_and_keeps_earlier_output(tmp_path, capsys):
 def test_config_error_type_is_user_facing():
     with pytest.raises(ConfigError):
         parse_args(["--batch-size", "0"])
+
+
+def test_fl_is_fedavg_under_its_mix2fld_name(tmp_path):
+    """`--algo fl` (the Mix2FLD paper's name) runs FedAvg itself: same final model."""
+    from conftest import FAST, final_weights, launch, max_diff
+    outs = []
+    for algo in ("fl", "fedavg"):
+        out = str(tmp_path / algo)
+        p = launch(FAST + ["--algo", algo, "--rounds", "2", "--out", out])
+        assert p.returncode == 0, p.stderr
+        outs.append(final_weights(out))
+    assert max_diff(*outs) == 0.0

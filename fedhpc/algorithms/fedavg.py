@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from . import register_algorithm
+from . import ALGORITHMS, register_algorithm
 from .base import Algorithm
 
 
@@ -32,7 +32,7 @@ class FedAvgOptions:
 
 @register_algorithm("fedavg")
 class FedAvg(Algorithm):
-    """Federated averaging: weighted mean of the clients' models."""
+    """Federated averaging: weighted mean of the clients' models (also --algo fl)."""
 
     Options = FedAvgOptions
 
@@ -59,3 +59,6 @@ class FedAvg(Algorithm):
 
     def load_state_dict(self, state):
         self.server_velocity = state.get("server_velocity")
+
+
+ALGORITHMS.alias("fl", "fedavg")  # the Mix2FLD paper's name for it
