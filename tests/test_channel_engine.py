@@ -47,6 +47,8 @@ def test_a_round_whose_uploads_all_fail_keeps_the_global_model():
     assert m["uplink_outages"] == 4
     assert torch.equal(eng.global_state, before)
     assert m["train_loss"] > 0  # the devices did train: only their uploads were lost
+    m = eng.run_round(1)
+    assert "relative_change" not in m  # nothing arrived: that is not convergence
 
 
 def test_a_downlink_outage_leaves_the_device_on_its_own_model():

@@ -93,9 +93,6 @@ class FD(Algorithm):
         state["missed"] = True
         ctx.save_state(state)
 
-    def client_weight(self, ctx):
-        return 1.0  # the uploads are unweighted sums; this only counts arrived devices
-
     def aggregate(self, global_state, totals, weight_total, rnd):
         g = label_outputs.global_outputs(totals, self.num_classes)
         if g is not None:

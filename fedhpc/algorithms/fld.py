@@ -157,9 +157,6 @@ class FLD(Algorithm):
             ctx.ledger.add("up", "seeds", self.seed_bytes[ctx.cid])  # with the first outputs
         return label_outputs.upload(ctx.extra["outputs"])
 
-    def client_weight(self, ctx):
-        return 1.0  # uploads are unweighted sums; this counts the devices that arrived
-
     # ---------------------------------------------------------------- server: output-to-model conversion
     def aggregate(self, global_state, totals, weight_total, rnd):
         g = label_outputs.global_outputs(totals, self.num_classes)
