@@ -51,3 +51,13 @@ def test_cifar_defaults_would_augment_so_the_check_means_something():
 
     for cls in (Cifar10Options, Cifar100Options):
         assert cls().crop_padding > 0 and cls().flip is True
+
+
+@pytest.mark.parametrize("name", [f for f in FILES if not f.startswith("digits_") and "_digits" not in f])
+def test_paper_configs_carry_their_tables_identity(name):
+    """A report puts the paper's number beside each row: every paper config names its table row."""
+    _, _, cfg, _ = load(name)
+    ref = cfg.reference
+    assert {"paper", "table", "row", "metric"} <= set(ref), f"{name}: reference {ref}"
+    if ref["table"].startswith("Table"):  # figures (Mix2FLD Fig. 2) have no printed number
+        assert isinstance(ref.get("value"), (int, float)), f"{name}: the paper's number is missing"
