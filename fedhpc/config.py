@@ -53,6 +53,7 @@ class RunConfig:
     collective_timeout: float = field(default=600.0, metadata={"help": "seconds a collective waits for peers before declaring a rank dead"})
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files (rank 0) under --out"})
     quiet: bool = field(default=False, metadata={"help": "no per-round progress lines"})
+    cold_start_fraction: float = field(default=0.0, metadata={"help": "share of clients held out of training entirely and evaluated at the end after the method's adaptation (pMixFed Sec. 10.2; 0 = off)"})
     local_eval: bool = field(default=True, metadata={"help": "every eval round, evaluate the model each client would use on its own local test split (local_test_accuracy)"})
     channel: str = field(default="none", metadata={"help": "wireless channel model (Mix2FLD Sec. II-C): none | symmetric | asymmetric; parameters with --channel-opt k=v"})
     stop_epsilon: float = field(default=0.0, metadata={"help": "stop when the global state's relative change |G_p - G_p-1| / |G_p-1| falls below this (Mix2FLD; 0 = off)"})
@@ -69,7 +70,7 @@ class RunConfig:
         "algo", "dataset", "model", "partition", "num_clients", "clients_per_round",
         "local_epochs", "batch_size", "lr", "lr_decay", "optimizer", "momentum",
         "weight_decay", "grad_clip", "client_test_fraction", "seed", "algo_options",
-        "data_options", "model_options", "channel", "channel_options", "stop_epsilon",
+        "data_options", "model_options", "channel", "channel_options", "stop_epsilon", "cold_start_fraction",
     )
 
     def validate(self) -> None:
@@ -104,6 +105,8 @@ class RunConfig:
         need(not self.resume or bool(self.out), "--resume needs --out DIR (the folder holding the checkpoints)")
         need(self.channel in ("none", "symmetric", "asymmetric"),
              f"--channel must be none, symmetric or asymmetric, got {self.channel!r}")
+        need(0 <= self.cold_start_fraction < 1,
+             f"--cold-start-fraction must be in [0, 1), got {self.cold_start_fraction}")
         need(math.isfinite(self.stop_epsilon) and self.stop_epsilon >= 0,
              f"--stop-epsilon must be >= 0 (0 = off), got {self.stop_epsilon}")
 

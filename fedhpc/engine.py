@@ -77,6 +77,17 @@ class Engine:
             raise ConfigError(f"--clients-per-round {cfg.clients_per_round} exceeds the dataset's "
                               f"{self.data.num_clients} clients; lower it")
         self.sizes = np.asarray(self.data.client_sizes())
+        # Cold-start clients (pMixFed Sec. 10.2): a seeded share never trained, evaluated at the end.
+        n = self.data.num_clients
+        n_cold = int(round(cfg.cold_start_fraction * n))
+        rng = np.random.default_rng(derive_seed(cfg.seed, "cold_start"))
+        self.cold_start = sorted(int(c) for c in rng.choice(n, size=n_cold, replace=False)) if n_cold else []
+        cold = set(self.cold_start)
+        self.training_clients = [c for c in range(n) if c not in cold]
+        if cfg.clients_per_round > len(self.training_clients):
+            raise ConfigError(f"--clients-per-round {cfg.clients_per_round} exceeds the {len(self.training_clients)} "
+                              f"clients left for training after --cold-start-fraction {cfg.cold_start_fraction:g} "
+                              f"holds out {n_cold}; lower one of them")
         model_name = cfg.model if cfg.model != "auto" else self.data.default_model()
         self.model_name = model_name
         torch.manual_seed(derive_seed(cfg.seed, "init"))  # same initial model on every rank
@@ -118,7 +129,7 @@ class Engine:
         # float64 so the weighted sums barely depend on summation order, i.e. on the rank count.
         self.round_buffer = torch.zeros(self.ledger_offset + n_ledger, dtype=torch.float64,
                                         device=world.device)
-        self.reference_device = derive_seed(cfg.seed, "reference_device") % self.data.num_clients
+        self.reference_device = self.training_clients[derive_seed(cfg.seed, "reference_device") % len(self.training_clients)]
         self.sim_seconds_total = 0.0
         self.start_round = 0
         self.stop_round = cfg.rounds  # earlier when --stop-epsilon is met
@@ -135,7 +146,9 @@ class Engine:
     def run_round(self, t: int) -> Dict[str, float]:
         cfg, world, algo = self.cfg, self.world, self.algo
         t0 = time.perf_counter()
-        sampled = sample_clients(cfg.seed, t, self.data.num_clients, cfg.clients_per_round)
+        sampled = sample_clients(cfg.seed, t, len(self.training_clients), cfg.clients_per_round)
+        if self.cold_start:  # positions in the training pool -> client ids
+            sampled = sorted(self.training_clients[i] for i in sampled)
         assignment = assign_clients(sampled, self.sizes, world.size)
         mine = [c for c in sampled if assignment[c] == world.rank]
         rnd = RoundInfo(t, sampled, mine, cfg.lr * cfg.lr_decay ** t)
@@ -334,7 +347,7 @@ class Engine:
         # per client: correct (own model), count, correct (global model), has own model
         table = torch.zeros(4, n, dtype=torch.float64, device=dev)
         self.model.eval()
-        for cid in range(n):
+        for cid in self.training_clients:  # cold-start clients are evaluated once, at the end
             if self._evaluator_rank(cid) != self.world.rank:
                 continue
             x, y = self.data.client_test_split(cid)
@@ -368,6 +381,49 @@ class Engine:
         }
         if table[3].sum() > 0:
             out["local_test_accuracy_global_model"] = float(table[2].sum() / table[1].sum().clamp_min(1))
+        return out
+
+    def _evaluate_cold_start(self, trained: Dict[str, float]) -> Dict[str, float]:
+        """Each held-out client: the global model on its own test split, then ``algo.adapt`` on
+        its data and the adapted model on the same split; sharded by cid over ranks."""
+        dev, n = self.world.device, self.data.num_clients
+        table = torch.zeros(3, n, dtype=torch.float64, device=dev)  # correct before, after, count
+        rnd = RoundInfo(self.cfg.rounds, [], [], self.cfg.lr * self.cfg.lr_decay ** self.cfg.rounds)
+        for cid in self.cold_start:
+            if cid % self.world.size != self.world.rank:
+                continue
+            x, y = self.data.client_test_split(cid)
+            if y.numel() == 0:
+                continue
+            for col in (0, 1):
+                self.flat.load_(self.global_state)
+                if col == 1:
+                    seed_torch(derive_seed(self.cfg.seed, "adapt", cid), self.world.device)
+                    self.model.zero_grad(set_to_none=True)  # no gradient left from the last training step
+                    self.model.train()
+                    ctx = ClientContext(self.algo, cid, self._to_device(self.data.client(cid)), rnd)
+                    self.algo.adapt(self.model, ctx)
+                self.model.eval()
+                with torch.no_grad():
+                    for s in range(0, y.shape[0], self.cfg.eval_batch_size):
+                        table[col, cid] += self._eval_sums(x[s:s + self.cfg.eval_batch_size],
+                                                           y[s:s + self.cfg.eval_batch_size])[1]
+            table[2, cid] = y.numel()
+        self.world.all_reduce_sum_(table)
+        table = table.cpu()
+        has = table[2] > 0
+        if not bool(has.any()):
+            return {}
+        after = table[1, has] / table[2, has]
+        out = {
+            "cold_start_accuracy": float(table[1].sum() / table[2].sum()),
+            "cold_start_accuracy_mean": float(after.mean()),
+            "cold_start_accuracy_global_model": float(table[0].sum() / table[2].sum()),
+            "cold_start_clients": len(self.cold_start),
+        }
+        if "local_test_accuracy_mean" in trained:
+            # the participation gap: what a client that never trained loses against one that did
+            out["participation_gap"] = trained["local_test_accuracy_mean"] - out["cold_start_accuracy_mean"]
         return out
 
     def _holder_broadcast(self, cid: int) -> Optional[torch.Tensor]:
@@ -529,6 +585,8 @@ class Engine:
                 last = t + 1 == cfg.rounds or converged
                 if last or (t + 1) % cfg.eval_every == 0:
                     metrics.update(self.evaluate())
+                    if last and self.cold_start:
+                        metrics.update(self._evaluate_cold_start(metrics))
                     final = metrics
                 stop = metrics.pop("stop", False)
                 self._log(metrics)

@@ -166,3 +166,47 @@ def test_local_test_accuracy_is_every_clients_model_on_its_own_split():
     assert "local_test_accuracy_global_model" not in final  # every client uses the global model
     no_split = make_engine(num_clients=4, clients_per_round=2, rounds=1, client_test_fraction=0.0).run()
     assert "local_test_accuracy" not in no_split
+
+
+def test_cold_start_clients_never_train_and_are_evaluated_after_adaptation():
+    eng = make_engine(num_clients=10, clients_per_round=3, rounds=3, seed=6, partition="dirichlet:1.0",
+                      cold_start_fraction=0.3, client_test_fraction=0.3)
+    cold = eng.cold_start
+    assert len(cold) == 3 and set(cold).isdisjoint(eng.training_clients)
+    trained = []
+    local_update = eng.algo.local_update
+    eng.algo.local_update = lambda model, ctx: (trained.append(ctx.cid), local_update(model, ctx))[1]
+
+    def adapt(model, ctx):  # one plain SGD step on the client's first batch: something to check
+        x, y = next(iter(ctx.batches(0)))
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.5 * p.grad
+                p.grad = None
+
+    eng.algo.adapt = adapt
+    final = eng.run()
+    assert trained and not set(trained) & set(cold)
+
+    # brute force, client by client
+    def accuracy(state, cid, adapt_first):
+        eng.flat.load_(state)
+        if adapt_first:
+            from fedhpc.algorithms.base import seed_torch
+            seed_torch(derive_seed(6, "adapt", cid))
+            eng.model.train()
+            adapt(eng.model, ClientContext(eng.algo, cid, eng.data.client(cid), RoundInfo(3, [], [], eng.cfg.lr)))
+        eng.model.eval()
+        c = eng.data.client(cid)
+        with torch.no_grad():
+            return int((eng.model(c.x_test).argmax(-1) == c.y_test).sum()), c.num_test
+
+    from fedhpc.algorithms import ClientContext, RoundInfo
+    before = [accuracy(eng.global_state, c, False) for c in cold]
+    after = [accuracy(eng.global_state, c, True) for c in cold]
+    assert final["cold_start_accuracy_global_model"] == pytest.approx(sum(h for h, _ in before) / sum(n for _, n in before))
+    assert final["cold_start_accuracy"] == pytest.approx(sum(h for h, _ in after) / sum(n for _, n in after))
+    assert final["cold_start_accuracy"] != final["cold_start_accuracy_global_model"]  # adapt did run
+    assert final["participation_gap"] == pytest.approx(
+        final["local_test_accuracy_mean"] - np.mean([h / n for h, n in after]))

@@ -271,6 +271,15 @@ class Algorithm:
         Sec. II-C). Methods whose devices keep their own models anyway override this."""
         self.client_state.put_slot(ctx.cid, "device_model", self.flat.flat)
 
+    def adapt(self, model: nn.Module, ctx: ClientContext) -> None:
+        """Adapt the global model to a cold-start client that never took part in training
+        (``--cold-start-fraction``), before it is evaluated on its own test split at the end.
+
+        ``model`` holds the global state; ``ctx.data`` is the client's data. The default adapts
+        nothing (the client uses the global model); personalised methods fine-tune here as
+        their papers do for newly joining clients.
+        """
+
     def client_model(self, cid: int) -> Optional[torch.Tensor]:
         """The flat model client ``cid`` would use now, or None for the global model.
 
