@@ -31,37 +31,11 @@ import time
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_round import plain_round  # noqa: E402  the same hand-written loop as the engine benchmark
 WORKLOAD_A = dict(dataset="digits", model="mlp", model_options={"hidden": 128, "depth": 2}, partition="iid",
                   num_clients=100, clients_per_round=10, local_epochs=1, batch_size=5, lr=0.05,
                   client_test_fraction=0.0, eval_every=10, quiet=True, tensorboard=False, threads=1)
-
-
-def plain_round(model, global_sd, data, cfg, t):
-    """What a researcher writes by hand: load, a fresh SGD per client, train, average state dicts."""
-    from fedhpc.algorithms.base import derive_seed
-    from fedhpc.engine import sample_clients
-
-    sampled = sample_clients(cfg.seed, t, data.num_clients, cfg.clients_per_round)
-    total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in global_sd.items()}
-    weight = 0.0
-    for cid in sampled:
-        client = data.client(cid)
-        model.load_state_dict(global_sd)
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-        for e in range(cfg.local_epochs):
-            g = torch.Generator().manual_seed(derive_seed(cfg.seed, "batches", t, cid, e))
-            perm = torch.randperm(client.num_train, generator=g)
-            for s in range(0, client.num_train, cfg.batch_size):
-                idx = perm[s:s + cfg.batch_size]
-                opt.zero_grad(set_to_none=True)
-                loss = torch.nn.functional.cross_entropy(model(client.x[idx]), client.y[idx])
-                loss.backward()
-                opt.step()
-        n = client.num_train
-        for k, v in model.state_dict().items():
-            total[k] += n * v.double()
-        weight += n
-    return {k: (v / weight).to(global_sd[k].dtype) for k, v in total.items()}
 
 
 def bench_loop(rounds: int, warmup: int = 3):

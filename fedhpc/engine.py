@@ -332,6 +332,17 @@ class Engine:
                             (logits.argmax(-1) == y).sum().double(), torch.tensor(float(y.numel()))
                             .to(logits.device, torch.float64)])
 
+    def _correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Correct predictions of the loaded model on a client's split, in eval-sized batches."""
+        bs = self.cfg.eval_batch_size
+        return sum(self._eval_sums(x[s:s + bs], y[s:s + bs])[1] for s in range(0, y.shape[0], bs))
+
+    def _summed_over_ranks(self, table: torch.Tensor, count_row: int) -> Optional[torch.Tensor]:
+        """All-reduce a per-client table; None when no client had a test split."""
+        self.world.all_reduce_sum_(table)
+        table = table.cpu()
+        return table if bool((table[count_row] > 0).any()) else None
+
     def _evaluator_rank(self, cid: int) -> int:
         """Where client ``cid`` is evaluated: the rank holding its state, else cid % size."""
         if self.uses_store:
@@ -354,23 +365,20 @@ class Engine:
             if y.numel() == 0:
                 continue
             own = self.algo.client_model(cid)
-            bs = self.cfg.eval_batch_size
             for col, state in ((2, self.global_state), (0, own)):
                 if state is None:
                     continue
                 self.flat.load_(state)
-                for s in range(0, y.shape[0], bs):
-                    table[col, cid] += self._eval_sums(x[s:s + bs], y[s:s + bs])[1]
+                table[col, cid] = self._correct(x, y)
             table[1, cid] = y.numel()
             if own is None:
                 table[0, cid] = table[2, cid]
             else:
                 table[3, cid] = 1
-        self.world.all_reduce_sum_(table)
-        table = table.cpu()
-        has = table[1] > 0
-        if not bool(has.any()):
+        table = self._summed_over_ranks(table, 1)
+        if table is None:
             return {}
+        has = table[1] > 0
         acc = table[0, has] / table[1, has]
         worst = torch.sort(acc).values[: max(1, int(math.ceil(0.1 * len(acc))))]
         out = {
@@ -405,15 +413,12 @@ class Engine:
                     self.algo.adapt(self.model, ctx)
                 self.model.eval()
                 with torch.no_grad():
-                    for s in range(0, y.shape[0], self.cfg.eval_batch_size):
-                        table[col, cid] += self._eval_sums(x[s:s + self.cfg.eval_batch_size],
-                                                           y[s:s + self.cfg.eval_batch_size])[1]
+                    table[col, cid] = self._correct(x, y)
             table[2, cid] = y.numel()
-        self.world.all_reduce_sum_(table)
-        table = table.cpu()
-        has = table[2] > 0
-        if not bool(has.any()):
+        table = self._summed_over_ranks(table, 2)
+        if table is None:
             return {}
+        has = table[2] > 0
         after = table[1, has] / table[2, has]
         out = {
             "cold_start_accuracy": float(table[1].sum() / table[2].sum()),
