@@ -114,7 +114,11 @@ class RunConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def identity(self) -> Dict[str, Any]:
-        return json.loads(json.dumps({k: getattr(self, k) for k in self.IDENTITY}, default=str))
+        from .data.partition import PARTITION_RULES
+
+        ident = {k: getattr(self, k) for k in self.IDENTITY}
+        ident["partition_rules"] = PARTITION_RULES  # the same spec string may have meant another split
+        return json.loads(json.dumps(ident, default=str))
 
 
 # --------------------------------------------------------------------------- options

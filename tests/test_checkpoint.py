@@ -364,3 +364,15 @@ def test_resume_past_a_corrupt_checkpoint_end_to_end(tmp_path, uninterrupted):
     for x, y in zip(a, b):
         for k in x:
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), k
+
+
+def test_a_checkpoint_from_older_partition_rules_is_refused(tmp_path):
+    """classes:K once meant a cyclic deal: a checkpoint written under the old rules names the
+    same spec but another split, so resuming it onto today's partition must be refused."""
+    from fedhpc.config import RunConfig
+    ident = RunConfig(partition="classes:2").identity()
+    assert ident["partition_rules"] >= 2
+    old = {k: v for k, v in ident.items() if k != "partition_rules"}  # an older release's checkpoint
+    out = saved_run(tmp_path, rounds=(10,), identities={10: old})
+    with pytest.raises(CheckpointError, match="partition_rules"):
+        ckpt.load_latest_intact(out, ident, warn=None)

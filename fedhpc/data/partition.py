@@ -29,6 +29,10 @@ import numpy as np
 
 from ..errors import ConfigError, DataError
 
+#: bumped whenever a partition spec starts to mean a different split (2: classes:K became a
+#: random draw). Part of a run's identity, so an older checkpoint is not resumed onto new data.
+PARTITION_RULES = 2
+
 PartitionFn = Callable[[np.ndarray, int, np.random.Generator, str], List[np.ndarray]]
 _PARTITIONS: Dict[str, Tuple[PartitionFn, str]] = {}
 
