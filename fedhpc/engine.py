@@ -134,6 +134,10 @@ class Engine:
         self.start_round = 0
         self.stop_round = cfg.rounds  # earlier when --stop-epsilon is met
         self.cum_bytes = {"bytes_up_total": 0.0, "bytes_down_total": 0.0}
+        self.round_seconds_total = 0.0
+        # The first optimizer built in a process imports torch._dynamo lazily (1-3 s): pay it
+        # here, so round 1's round_seconds measures the round.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         self._previous_convergence_state: Optional[torch.Tensor] = None
         self._stop_signal: Optional[int] = None
         self._tb = None
@@ -233,6 +237,9 @@ class Engine:
             if cfg.stop_epsilon > 0 and change < cfg.stop_epsilon:
                 metrics["converged"] = True
         metrics["round_seconds"] = time.perf_counter() - t0
+        self.round_seconds_total += metrics["round_seconds"]
+        # every round's time, also for rounds metrics.jsonl does not keep (eval_every > 1)
+        metrics["round_seconds_total"] = self.round_seconds_total
         if buf[self._slot("stop")] > 0:
             metrics["stop"] = True
         return metrics
@@ -449,6 +456,7 @@ class Engine:
             "algo_state": to_device(self.algo.state_dict(), "cpu"),
             "cum_bytes": dict(self.cum_bytes),
             "sim_seconds_total": self.sim_seconds_total,
+            "round_seconds_total": self.round_seconds_total,
             "previous_convergence_state": self._previous_convergence_state,
             "stop_round": self.stop_round if self.stop_round < self.cfg.rounds else None,
         }
@@ -472,6 +480,7 @@ class Engine:
         self.algo.load_state_dict(to_device(body.get("algo_state") or {}, device))
         self.cum_bytes = dict(body.get("cum_bytes", self.cum_bytes))
         self.sim_seconds_total = float(body.get("sim_seconds_total", 0.0))
+        self.round_seconds_total = float(body.get("round_seconds_total", 0.0))
         self._previous_convergence_state = body.get("previous_convergence_state")
         if self.uses_store:
             self.client_state.load_shards(body["client_state_dirs"])
