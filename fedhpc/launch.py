@@ -64,5 +64,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             world.close(graceful)
 
 
+def exit_now(code: int) -> None:
+    """Leave the process without interpreter teardown once every output is written and the
+    process group is destroyed: torch 2.13's gloo can still abort at that point ("terminate
+    called without an active exception", exit 6) now and then on a loaded machine, which would
+    turn a finished run into a failed one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
