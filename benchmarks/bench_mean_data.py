@@ -158,12 +158,7 @@ def download_costs(md: MeanData, timed: int, reps: int = 3, seed: int = 0) -> di
 
 # --------------------------------------------------------------------------- (b) exchange peak memory
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from bench_fedmix import _status_kib  # noqa: E402  the same /proc/self/status reader
 
 
 def child(n: int, per_client: int, impl: str) -> None:
