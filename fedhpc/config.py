@@ -56,6 +56,7 @@ class RunConfig:
     cold_start_fraction: float = field(default=0.0, metadata={"help": "share of clients held out of training entirely and evaluated at the end after the method's adaptation (pMixFed Sec. 10.2; 0 = off)"})
     local_eval: bool = field(default=True, metadata={"help": "every eval round, evaluate the model each client would use on its own local test split (local_test_accuracy)"})
     channel: str = field(default="none", metadata={"help": "wireless channel model (Mix2FLD Sec. II-C): none | symmetric | asymmetric; parameters with --channel-opt k=v"})
+    per_label_accuracy: bool = field(default=False, metadata={"help": "also report each label's accuracy on the global test set (test_accuracy_label<c>; XorMixFL's target labels)"})
     stop_epsilon: float = field(default=0.0, metadata={"help": "stop when the global state's relative change |G_p - G_p-1| / |G_p-1| falls below this (Mix2FLD; 0 = off)"})
     algo_options: Dict[str, Any] = field(default_factory=dict)
     data_options: Dict[str, Any] = field(default_factory=dict)

@@ -308,6 +308,9 @@ class Engine:
         """Every eval round: the global model on the global test set; with local splits, the
         model each client would use on its own split; with a personal or channel-affected
         model, the reference device's model on the global test set (Mix2FLD's Fig. 2)."""
+        # Personal methods build a client's model from the newest global state (client_model,
+        # adapt): hand it over here too, not only at the start of a round.
+        self.algo.global_state = self.global_state
         metrics = self._evaluate_global(self.global_state)
         if self.cfg.local_eval and self.cfg.client_test_fraction > 0:
             metrics.update(self._evaluate_local())
@@ -323,21 +326,35 @@ class Engine:
         self.model.eval()
         n = self.data.num_test()
         start, stop = n * self.world.rank // self.world.size, n * (self.world.rank + 1) // self.world.size
-        sums = torch.zeros(3, dtype=torch.float64, device=self.world.device)
+        per_label = self.cfg.per_label_accuracy
+        classes = self.data.num_classes
+        sums = torch.zeros(3 + (2 * classes if per_label else 0), dtype=torch.float64, device=self.world.device)
         for s in range(start, stop, self.cfg.eval_batch_size):
             x, y = self.data.test_slice(s, min(s + self.cfg.eval_batch_size, stop))
-            sums += self._eval_sums(x, y)
+            sums += self._eval_sums(x, y, per_label)
         self.world.all_reduce_sum_(sums)
         count = max(float(sums[2]), 1.0)
-        return {"test_loss": float(sums[0]) / count, "test_accuracy": float(sums[1]) / count}
+        out = {"test_loss": float(sums[0]) / count, "test_accuracy": float(sums[1]) / count}
+        if per_label:
+            # one label's accuracy on the global test set (XorMixFL's Fig. 3 / Table 4 report the target label's)
+            correct, seen = sums[3:3 + classes].cpu(), sums[3 + classes:].cpu()
+            for c in range(classes):
+                if seen[c] > 0:
+                    out[f"test_accuracy_label{c}"] = float(correct[c] / seen[c])
+        return out
 
-    def _eval_sums(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """(loss sum, correct, count) of the loaded model on one batch."""
+    def _eval_sums(self, x: torch.Tensor, y: torch.Tensor, per_label: bool = False) -> torch.Tensor:
+        """(loss sum, correct, count[, correct per label, count per label]) of the loaded model on one batch."""
         x, y = x.to(self.world.device), y.to(self.world.device)
         logits = self.model(self.data.transform(x, False, None))
-        return torch.stack([task_loss(logits, y, reduction="sum").double(),
-                            (logits.argmax(-1) == y).sum().double(), torch.tensor(float(y.numel()))
-                            .to(logits.device, torch.float64)])
+        hit = logits.argmax(-1) == y
+        sums = torch.stack([task_loss(logits, y, reduction="sum").double(), hit.sum().double(),
+                            torch.tensor(float(y.numel())).to(logits.device, torch.float64)])
+        if not per_label:
+            return sums
+        c = self.data.num_classes
+        return torch.cat([sums, torch.bincount(y, weights=hit.double(), minlength=c).double(),
+                          torch.bincount(y, minlength=c).double()])
 
     def _correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Correct predictions of the loaded model on a client's split, in eval-sized batches."""
@@ -539,8 +556,9 @@ class Engine:
             line = (f"round {metrics['round']:4d}/{self.cfg.rounds} | train_loss {metrics['train_loss']:.4f}")
             if "test_accuracy" in metrics:
                 line += f" | test_acc {metrics['test_accuracy']:.4f}"
-            if "local_test_accuracy" in metrics:
-                line += f" | local_acc {metrics['local_test_accuracy']:.4f}"
+            if "local_test_accuracy_mean" in metrics:
+                # the mean over clients is what personalised papers report (pMixFed's tables)
+                line += f" | local_acc_mean {metrics['local_test_accuracy_mean']:.4f}"
             if "reference_device_accuracy" in metrics:
                 line += f" | ref_dev_acc {metrics['reference_device_accuracy']:.4f}"
             line += f" | up {metrics['bytes_up'] / 2**20:.2f} MiB | down {metrics['bytes_down'] / 2**20:.2f} MiB"

@@ -210,3 +210,24 @@ def test_cold_start_clients_never_train_and_are_evaluated_after_adaptation():
     assert final["cold_start_accuracy"] != final["cold_start_accuracy_global_model"]  # adapt did run
     assert final["participation_gap"] == pytest.approx(
         final["local_test_accuracy_mean"] - np.mean([h / n for h, n in after]))
+
+
+def test_per_label_accuracy_is_a_brute_force_count_over_the_test_set():
+    eng = make_engine(num_clients=4, clients_per_round=2, rounds=2, seed=5, per_label_accuracy=True)
+    final = eng.run()
+    # Independent count: the final global model, sample by sample over the whole test set.
+    eng.flat.load_(eng.global_state)
+    eng.model.eval()
+    x, y = eng.data.test_slice(0, eng.data.num_test())
+    with torch.no_grad():
+        pred = eng.model(eng.data.transform(x, False, None)).argmax(-1)
+    hits = {c: [0, 0] for c in range(eng.data.num_classes)}
+    for p, t in zip(pred.tolist(), y.tolist()):
+        hits[t][0] += int(p == t)
+        hits[t][1] += 1
+    for c, (right, seen) in hits.items():
+        assert final[f"test_accuracy_label{c}"] == pytest.approx(right / seen, abs=1e-12)
+    assert 0 < final["test_accuracy"] < 1
+    # off by default: no per-label keys
+    plain = make_engine(num_clients=4, clients_per_round=2, rounds=1, seed=5).run()
+    assert not any(k.startswith("test_accuracy_label") for k in plain)
