@@ -60,18 +60,27 @@ def fedmix_loss(f: Model, x, y, xbar, ybar, lam: float,
 
     ``L`` here is the batch-mean loss, so dL/dx_i = (1/B) dL_i/dx_i and
     ``sum_i <dL/dx_i, xbar_i>`` is the batch mean of the per-sample l3 terms.
+
+    Computed as l1 + l2 = L(f(x'), (1-l) y + l ybar) (soft cross-entropy is linear in its
+    target) with one log-softmax, x' and the mixed label from one fused op, and l3 from the
+    fused per-sample reduction (:mod:`fedhpc.ops`: native kernels when built, the pure-PyTorch
+    reference otherwise; both differentiable to any order). ``return_terms`` adds l1, l2 and
+    l3 separately (l2 evaluated on its own, so l1 + l2 matches the total up to rounding).
     """
-    xp = (1 - lam) * x
+    from .. import ops  # here, not at the top, so that only this function of the file changes
+
+    xp, ymix = ops.mix_inputs_labels(x, y, ybar, lam)
     if not xp.requires_grad:  # raw images: make the scaled input a leaf we can differentiate at
         xp = xp.detach().requires_grad_(True)
-    logits = f(xp)
-    ce = soft_loss(logits, y)
-    l1 = (1 - lam) * ce
-    l2 = lam * soft_loss(logits, ybar)
+    logp = F.log_softmax(f(xp), dim=-1)
+    ce = -(y * logp).sum(-1).mean()             # L at (x', y): the loss l3 differentiates
+    l12 = -(ymix * logp).sum(-1).mean()         # l1 + l2 against the mixed soft label
     (dx,) = torch.autograd.grad(ce, xp, create_graph=True)
-    l3 = lam * (dx * xbar).sum()
-    total = l1 + l2 + l3
+    l3 = ops.fedmix_l3(dx, xbar, lam).sum()
+    total = l12 + l3
     if return_terms:
+        l1 = (1 - lam) * ce
+        l2 = lam * -(ybar * logp).sum(-1).mean()
         return total, {"l1": l1, "l2": l2, "l3": l3}
     return total
 
@@ -96,7 +105,7 @@ class MixSpace:
     Text ('next_char', inputs are character ids): embedding space. The model must
     expose ``embed(ids) -> (B, T, D)`` (a token-wise lookup, no positional terms)
     and ``forward_embedded(emb) -> logits``. Mean data for text are mean one-hot
-    characters (T, V) (see :mod:`fedhpc.mean_data`); ``lift_means`` turns them into
+    characters (T, V) (see :mod:`fedhpc.exchanges.mean_data`); ``lift_means`` turns them into
     mean embeddings ``P @ E`` with the current embedding table E, which is exactly
     the mean embedding of the averaged sequences.
     """

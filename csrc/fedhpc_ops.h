@@ -1,0 +1,75 @@
+// Declarations shared by the binding (ops.cpp), the CPU kernels (cpu/) and the
+// torch-facing CUDA binding (cuda/ops_cuda.cpp). The maths, the shapes and the
+// pure-PyTorch reference every kernel must agree with are in fedhpc/ops/.
+//
+// Every entry point takes tensors the Python wrapper has already checked and
+// flattened to 2-D (rows, cols); the kernels only see float32 / float64.
+#pragma once
+
+// ATen's Tensor only: the kernels do not pay for torch/extension.h (pybind, the C++ frontend),
+// which only the binding (ops.cpp) includes.
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+namespace fedhpc {
+
+using at::Tensor;
+
+// Input and label mixing of FedMix / NaiveMix (one call, both pairs):
+//   xm = (1-lam) x + lam xbar   (xbar undefined: xm = (1-lam) x, FedMix's x')
+//   ym = (1-lam) y + lam ybar
+// x (B, Nx), xbar (1 or B, Nx); y (B, Ny), ybar (1 or B, Ny).
+std::tuple<Tensor, Tensor> mix_forward_cpu(const Tensor& x, const Tensor& xbar, const Tensor& y,
+                                           const Tensor& ybar, double lam);
+
+// Its transpose: gx = (1-lam) gxm, gxbar = lam gxm summed over the rows xbar was broadcast to
+// (xbar_rows 0: no xbar), same for the labels. need = {x, xbar, y, ybar}; unneeded outputs are undefined.
+std::tuple<Tensor, Tensor, Tensor, Tensor> mix_backward_cpu(const Tensor& gxm, const Tensor& gym,
+                                                            int64_t xbar_rows, int64_t ybar_rows, double lam,
+                                                            std::array<bool, 4> need);
+
+// Per-sample FedMix l3: s_i = lam <g_i, xbar_{r(i)}>, g (B, N), xbar (1 or B, N) -> s (B,).
+Tensor l3_forward_cpu(const Tensor& g, const Tensor& xbar, double lam);
+
+// Its backward: grad_g_ij = lam go_i xbar_{r(i)j}; grad_xbar = lam go_i g_ij, summed over i when xbar has 1 row.
+std::tuple<Tensor, Tensor> l3_backward_cpu(const Tensor& go, const Tensor& g, const Tensor& xbar, double lam,
+                                           bool need_g, bool need_xbar);
+
+// Segmented mixup out[c, p] = l * a[c, p] + (1 - l) * b[c, p], l = lam[c, s] for offsets[s] <= p < offsets[s+1].
+// a, b, out (C, P) with unit column stride (any row stride; b may have row stride 0); lam (C or 1, S)
+// contiguous, same dtype; offsets (S+1,) int64 on the CPU. out may be a or b exactly.
+void segment_mix_cpu(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& lam, Tensor& out);
+
+// Device dispatch with the layout checks (ops.cpp): what the autograd Functions call.
+std::tuple<Tensor, Tensor> mix_forward(const Tensor& x, const std::optional<Tensor>& xbar, const Tensor& y,
+                                       const Tensor& ybar, double lam);
+std::tuple<Tensor, Tensor, Tensor, Tensor> mix_backward(const Tensor& gxm, const Tensor& gym, int64_t xbar_rows,
+                                                        int64_t ybar_rows, double lam, bool need_x, bool need_xbar,
+                                                        bool need_y, bool need_ybar);
+Tensor l3_forward(const Tensor& g, const Tensor& xbar, double lam);
+std::tuple<Tensor, Tensor> l3_backward(const Tensor& go, const Tensor& g, const Tensor& xbar, double lam,
+                                       bool need_g, bool need_xbar);
+
+// Autograd-aware ops on (B, ...) tensors (autograd.cpp), differentiable to any order:
+//   mix(x, xbar, y, ybar, lam) -> (xm, ym)  as mix_forward;   l3(g, xbar, lam) -> s (B,)  as l3_forward.
+std::tuple<Tensor, Tensor> mix(const Tensor& x, const std::optional<Tensor>& xbar, const Tensor& y,
+                               const Tensor& ybar, double lam);
+Tensor l3(const Tensor& g, const Tensor& xbar, double lam);
+
+#ifdef FEDHPC_WITH_CUDA
+std::tuple<Tensor, Tensor> mix_forward_cuda(const Tensor& x, const Tensor& xbar, const Tensor& y,
+                                            const Tensor& ybar, double lam);
+std::tuple<Tensor, Tensor, Tensor, Tensor> mix_backward_cuda(const Tensor& gxm, const Tensor& gym,
+                                                             int64_t xbar_rows, int64_t ybar_rows, double lam,
+                                                             std::array<bool, 4> need);
+Tensor l3_forward_cuda(const Tensor& g, const Tensor& xbar, double lam);
+std::tuple<Tensor, Tensor> l3_backward_cuda(const Tensor& go, const Tensor& g, const Tensor& xbar, double lam,
+                                            bool need_g, bool need_xbar);
+// offsets: int64 on the device of a.
+void segment_mix_cuda(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& lam, Tensor& out);
+#endif
+
+}  // namespace fedhpc
