@@ -22,6 +22,24 @@ import yaml
 from .errors import ConfigError
 
 
+def parse_rounds(spec: str, total_rounds: Optional[int] = None) -> List[int]:
+    """Rounds (1-based, as ``metrics.jsonl`` counts them) named by ``"last"``, ``"5,25"`` or ``""``."""
+    out: List[int] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part == "last":
+            if total_rounds is not None:
+                out.append(int(total_rounds))
+            continue
+        try:
+            r = int(part)
+        except ValueError:
+            raise ConfigError(f"--save-client-models takes 'last' or round numbers like '5,25'; got {spec!r}")
+        if r < 1:
+            raise ConfigError(f"--save-client-models rounds count from 1; got {r}")
+        out.append(r)
+    return sorted(set(out))
+
+
 @dataclass
 class RunConfig:
     algo: str = field(default="fedavg", metadata={"help": "federated algorithm (see list below)"})
@@ -56,6 +74,7 @@ class RunConfig:
     cold_start_fraction: float = field(default=0.0, metadata={"help": "share of clients held out of training entirely and evaluated at the end after the method's adaptation (pMixFed Sec. 10.2; 0 = off)"})
     local_eval: bool = field(default=True, metadata={"help": "every eval round, evaluate the model each client would use on its own local test split (local_test_accuracy)"})
     channel: str = field(default="none", metadata={"help": "wireless channel model (Mix2FLD Sec. II-C): none | symmetric | asymmetric; parameters with --channel-opt k=v"})
+    save_client_models: str = field(default="", metadata={"help": "save every trained client model at these rounds ('last', '5,25'; empty = none) under OUT/client_models/ for python -m fedhpc.analysis.hessian"})
     per_label_accuracy: bool = field(default=False, metadata={"help": "also report each label's accuracy on the global test set (test_accuracy_label<c>; XorMixFL's target labels)"})
     stop_epsilon: float = field(default=0.0, metadata={"help": "stop when the global state's relative change |G_p - G_p-1| / |G_p-1| falls below this (Mix2FLD; 0 = off)"})
     algo_options: Dict[str, Any] = field(default_factory=dict)
@@ -103,6 +122,9 @@ class RunConfig:
         need(self.client_state_budget_mb > 0, "--client-state-budget-mb must be positive")
         need(self.collective_timeout > 0, "--collective-timeout must be positive")
         need(self.seed >= 0, f"--seed must be non-negative, got {self.seed}")
+        parse_rounds(self.save_client_models)
+        need(not self.save_client_models or bool(self.out),
+             "--save-client-models needs --out DIR (the client models go to DIR/client_models)")
         need(not self.resume or bool(self.out), "--resume needs --out DIR (the folder holding the checkpoints)")
         need(self.channel in ("none", "symmetric", "asymmetric"),
              f"--channel must be none, symmetric or asymmetric, got {self.channel!r}")

@@ -21,7 +21,7 @@ from . import checkpoint
 from .algorithms import ALGORITHMS, ClientContext, RoundInfo, load_algorithm_modules
 from .algorithms.base import Upload, derive_seed, seed_torch, task_loss
 from .client_state import ClientStateStore
-from .config import RunConfig, build_options
+from .config import RunConfig, build_options, parse_rounds
 from .data import ClientData, build_dataset
 from .errors import CheckpointError, ConfigError, NonFiniteLossError
 from .flat import FlatModel
@@ -84,6 +84,12 @@ class Engine:
         self.cold_start = sorted(int(c) for c in rng.choice(n, size=n_cold, replace=False)) if n_cold else []
         cold = set(self.cold_start)
         self.training_clients = [c for c in range(n) if c not in cold]
+        if n_cold and cfg.clients_per_round == n:
+            # full participation (a paper's C = 100%) means every client that trains
+            cfg.clients_per_round = len(self.training_clients)
+            if self.is_main and not cfg.quiet:
+                print(f"--cold-start-fraction holds out {n_cold} of {n} clients: full participation is "
+                      f"{cfg.clients_per_round} clients per round", flush=True)
         if cfg.clients_per_round > len(self.training_clients):
             raise ConfigError(f"--clients-per-round {cfg.clients_per_round} exceeds the {len(self.training_clients)} "
                               f"clients left for training after --cold-start-fraction {cfg.cold_start_fraction:g} "
@@ -139,6 +145,8 @@ class Engine:
         # here, so round 1's round_seconds measures the round.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         self._previous_convergence_state: Optional[torch.Tensor] = None
+        # trained client models kept for the Hessian analysis (FedAlign's H_N / H_D)
+        self._save_client_rounds = set(parse_rounds(cfg.save_client_models, cfg.rounds))
         self._stop_signal: Optional[int] = None
         self._tb = None
         self._metrics_file = None
@@ -181,6 +189,9 @@ class Engine:
                 nonfinite.append(cid)
                 continue
             uploads = algo.upload(self.model, ctx)
+            if t + 1 in self._save_client_rounds:
+                from .analysis.hessian import save_client_model
+                save_client_model(cfg.out, t + 1, cid, self.flat.state_dict_from(self.flat.flat))
             for name, tensor in uploads.items():
                 algo.ledger.add("up", self.uploads[name][1].kind, self._wire_bytes(name, tensor))
             compute_s = time.perf_counter() - c0

@@ -231,3 +231,18 @@ def test_per_label_accuracy_is_a_brute_force_count_over_the_test_set():
     # off by default: no per-label keys
     plain = make_engine(num_clients=4, clients_per_round=2, rounds=1, seed=5).run()
     assert not any(k.startswith("test_accuracy_label") for k in plain)
+
+
+def test_full_participation_with_cold_start_clients_samples_every_training_client():
+    eng = make_engine(num_clients=10, clients_per_round=10, rounds=2, seed=1, cold_start_fraction=0.2)
+    assert eng.cfg.clients_per_round == 8 == len(eng.training_clients)
+    seen = []
+    local_update = eng.algo.local_update
+    eng.algo.local_update = lambda model, ctx: (seen.append((ctx.round.index, ctx.cid)), local_update(model, ctx))[1]
+    eng.run()
+    for t in range(2):
+        assert sorted(c for r, c in seen if r == t) == eng.training_clients
+    # partial participation above the training pool is still refused
+    from fedhpc.errors import ConfigError
+    with pytest.raises(ConfigError, match="cold-start"):
+        make_engine(num_clients=10, clients_per_round=9, rounds=1, cold_start_fraction=0.2)

@@ -7,6 +7,7 @@ registry name           paper and dataset                    default input / cla
 ``vgg_fedmix``          FedMix (App. B), CIFAR-10/100        3x32x32 / 10 or 100
 ``resnet56``            FedAlign, CIFAR-10/100               3x32x32 / 10 or 100
 ``resnet18``            FedAlign, ImageNet-200               3x64x64 (or 224) / 200
+``resnet_digits``       FedAlign family on digits (tests)    1x8x8 / 10
 ``pmixfed_cnn``         pMixFed (Sec. 5.1), CIFAR-10/100     3x32x32 / 10 or 100
 ``pmixfed_cnn_mnist``   pMixFed (Sec. 5.1), MNIST            1x28x28 / 10
 ``mobilenet``           pMixFed (Sec. 5.1), CIFAR-10/100     3x32x32 / 10 or 100
@@ -197,6 +198,8 @@ def _sliced_bn(bn: nn.BatchNorm2d, x: torch.Tensor) -> torch.Tensor:
     running statistics. At full width either branch computes exactly what
     ``bn(x)`` computes.
     """
+    if not isinstance(bn, nn.BatchNorm2d):  # norm="none": an Identity stands in for BN
+        return x
     c = x.shape[1]
     weight = bn.weight[:c] if bn.weight is not None else None
     bias = bn.bias[:c] if bn.bias is not None else None
@@ -208,6 +211,11 @@ def _sliced_bn(bn: nn.BatchNorm2d, x: torch.Tensor) -> torch.Tensor:
     return F.batch_norm(x, bn.running_mean[:c], bn.running_var[:c], weight, bias, False, 0.0, bn.eps)
 
 
+def _norm2d(channels: int, norm: str) -> nn.Module:
+    """BatchNorm (the papers' ResNets) or nothing (``norm="none"``, for small test models)."""
+    return nn.BatchNorm2d(channels) if norm == "batch" else nn.Identity()
+
+
 class _ResidualBlock(nn.Module):
     """Shared logic of the residual blocks.
 
@@ -216,23 +224,27 @@ class _ResidualBlock(nn.Module):
     same weights (input channels are taken from ``x``, which the caller has
     already sliced). ``keep_prob`` implements stochastic depth (Huang et al.
     2016, as FedAlign's StochDepth baseline describes it): in training the
-    residual branch of the whole batch is kept with probability ``keep_prob``,
-    at evaluation it is scaled by ``keep_prob``. The slimmed path ignores it.
+    residual branch of the whole batch is kept with probability ``keep_prob``
+    (one Bernoulli draw per block per forward, from ``generator`` when one is
+    set, else from torch's default generator), at evaluation it is scaled by
+    ``keep_prob``. The slimmed path ignores it.
     """
 
     expansion = 1
     in_channels: int
     out_channels: int
 
-    def __init__(self):
+    def __init__(self, norm: str = "batch"):
         super().__init__()
+        self.norm = norm
         self.keep_prob = 1.0
+        self.generator: Optional[torch.Generator] = None
         self.projection: Optional[nn.Sequential] = None
 
     def _make_projection(self, in_ch: int, out_ch: int, stride: int) -> None:
         if stride != 1 or in_ch != out_ch:
             self.projection = nn.Sequential(
-                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), nn.BatchNorm2d(out_ch)
+                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=self.norm != "batch"), _norm2d(out_ch, self.norm)
             )
 
     def residual(self, x: torch.Tensor, width: Optional[float] = None) -> torch.Tensor:
@@ -249,7 +261,7 @@ class _ResidualBlock(nn.Module):
     def forward(self, x: torch.Tensor, width: Optional[float] = None) -> torch.Tensor:
         if width is None and self.keep_prob < 1.0:
             if self.training:
-                if float(torch.rand(())) >= self.keep_prob:
+                if float(torch.rand((), generator=self.generator)) >= self.keep_prob:
                     return F.relu(self.shortcut(x))
                 return F.relu(self.residual(x) + self.shortcut(x))
             return F.relu(self.keep_prob * self.residual(x) + self.shortcut(x))
@@ -261,13 +273,14 @@ class BasicBlock(_ResidualBlock):
 
     expansion = 1
 
-    def __init__(self, in_ch: int, planes: int, stride: int = 1):
-        super().__init__()
+    def __init__(self, in_ch: int, planes: int, stride: int = 1, norm: str = "batch"):
+        super().__init__(norm)
         self.in_channels, self.out_channels = in_ch, planes
-        self.conv1 = nn.Conv2d(in_ch, planes, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
+        bias = norm != "batch"  # without BN a conv keeps its own bias
+        self.conv1 = nn.Conv2d(in_ch, planes, 3, stride=stride, padding=1, bias=bias)
+        self.bn1 = _norm2d(planes, norm)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=bias)
+        self.bn2 = _norm2d(planes, norm)
         self._make_projection(in_ch, planes, stride)
 
     def residual(self, x, width=None):
@@ -284,16 +297,17 @@ class Bottleneck(_ResidualBlock):
 
     expansion = 4
 
-    def __init__(self, in_ch: int, planes: int, stride: int = 1):
-        super().__init__()
+    def __init__(self, in_ch: int, planes: int, stride: int = 1, norm: str = "batch"):
+        super().__init__(norm)
         out_ch = planes * self.expansion
         self.in_channels, self.out_channels = in_ch, out_ch
-        self.conv1 = nn.Conv2d(in_ch, planes, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv3 = nn.Conv2d(planes, out_ch, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(out_ch)
+        bias = norm != "batch"
+        self.conv1 = nn.Conv2d(in_ch, planes, 1, bias=bias)
+        self.bn1 = _norm2d(planes, norm)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=bias)
+        self.bn2 = _norm2d(planes, norm)
+        self.conv3 = nn.Conv2d(planes, out_ch, 1, bias=bias)
+        self.bn3 = _norm2d(out_ch, norm)
         self._make_projection(in_ch, out_ch, stride)
 
     def residual(self, x, width=None):
@@ -309,10 +323,11 @@ class Bottleneck(_ResidualBlock):
 
 
 class ResNet(nn.Module):
-    """ResNet with the hooks FedAlign needs.
+    """ResNet with the hooks FedAlign and the baselines of its study need.
 
     Structure: ``stem`` -> ``blocks`` (one flat ``nn.ModuleList`` of residual
-    blocks, stage after stage) -> global average pool -> ``head`` (linear).
+    blocks, stage after stage) -> global average pool -> [dropout] ->
+    [``proj_head``] -> ``head`` (linear).
 
     FedAlign (Sec. 4, Alg. 1, Fig. 2) takes ``f_{L-1}`` and ``f_L``, "the feature
     maps outputted by the last and prior-to-last blocks", and re-runs "Block L
@@ -331,7 +346,8 @@ class ResNet(nn.Module):
 
     * ``forward(x, return_features=True)`` returns ``(logits, feats)`` with
       ``feats["last_block_in"]`` (= f_{L-1}) and ``feats["last_block_out"]``
-      (= f_L), both pre-pooling feature maps of the full network.
+      (= f_L), both pre-pooling feature maps of the full network, plus
+      ``feats["pooled"]`` and, with a projection head, ``feats["projection"]``.
     * ``run_last_block(f, width)`` runs Block L at width ``width`` on ``f``
       (typically ``feats["last_block_in"].detach()``): ``f`` is sliced to its
       first ``ceil(width * C_in)`` channels and every conv/BN of Block L to the
@@ -343,8 +359,19 @@ class ResNet(nn.Module):
       The authors round channel counts with ``make_divisible(C*w, 8)``; for
       the paper's settings (omega_S = 0.25 on 16..512-channel layers) that
       equals ``ceil``.
+    * ``forward_width(x, width)``: the whole network at width ``width``
+      (GradAug's sub-networks): stem, every block and the head's input
+      restricted to the first ``ceil(width * C)`` channels, same BN rule as
+      above; the input's colour channels and the class outputs stay whole.
     * Stochastic depth: every block has ``keep_prob``; ``set_stochastic_depth``
-      applies the linear decay rule rho_l = 1 - l/L (1 - rho_L).
+      applies the linear decay rule rho_l = 1 - l/L (1 - rho_L) and
+      ``set_depth_generator`` the seeded generator the drops are drawn from.
+    * ``projection_dim > 0`` (MOON): a two-layer projection head l1 (d -> d),
+      ReLU, l2 (d -> projection_dim) between the pooled features and the
+      classifier, which then reads the projection (as in MOON's code).
+    * ``norm="none"`` drops every BatchNorm (convs then carry biases) and
+      ``dropout > 0`` puts a dropout before the head: the small test models'
+      switches.
 
     Shortcuts are projections (1x1 conv + BN) where the shape changes.
     """
@@ -359,19 +386,29 @@ class ResNet(nn.Module):
         stem: str = "cifar",
         stem_channels: int = 16,
         last_block: str = "stage",
+        norm: str = "batch",
+        dropout: float = 0.0,
+        projection_dim: int = 0,
     ):
         super().__init__()
         c, h, w = _image_shape(input_shape)
+        if norm not in ("batch", "none"):
+            raise ConfigError(f"norm must be 'batch' or 'none'; got {norm!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1); got {dropout}")
+        if projection_dim < 0:
+            raise ConfigError(f"projection_dim must be >= 0 (0 = no projection head); got {projection_dim}")
+        bias = norm != "batch"
         if stem == "cifar":
             self.stem = nn.Sequential(
-                nn.Conv2d(c, stem_channels, 3, padding=1, bias=False),
-                nn.BatchNorm2d(stem_channels),
+                nn.Conv2d(c, stem_channels, 3, padding=1, bias=bias),
+                _norm2d(stem_channels, norm),
                 nn.ReLU(),
             )
         elif stem == "imagenet":
             self.stem = nn.Sequential(
-                nn.Conv2d(c, stem_channels, 7, stride=2, padding=3, bias=False),
-                nn.BatchNorm2d(stem_channels),
+                nn.Conv2d(c, stem_channels, 7, stride=2, padding=3, bias=bias),
+                _norm2d(stem_channels, norm),
                 nn.ReLU(),
                 nn.MaxPool2d(3, stride=2, padding=1),
             )
@@ -386,13 +423,17 @@ class ResNet(nn.Module):
         for s, (n, planes) in enumerate(zip(stage_blocks, stage_planes)):
             for i in range(n):
                 stride = 2 if (s > 0 and i == 0) else 1
-                b = block(in_ch, planes, stride)
+                b = block(in_ch, planes, stride, norm)
                 blocks.append(b)
                 self.block_stage.append(s)
                 in_ch = b.out_channels
         self.blocks = nn.ModuleList(blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.head = nn.Linear(in_ch, num_classes)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.proj_head: Optional[nn.Sequential] = None
+        if projection_dim > 0:
+            self.proj_head = nn.Sequential(nn.Linear(in_ch, in_ch), nn.ReLU(), nn.Linear(in_ch, projection_dim))
+        self.head = nn.Linear(projection_dim or in_ch, num_classes)
         self.feature_dim = in_ch
         self.last_block = last_block
         if last_block == "stage":
@@ -420,6 +461,18 @@ class ResNet(nn.Module):
         first = self.blocks[self.last_block_start]
         return first.in_channels, self.blocks[-1].out_channels
 
+    def _classify(self, h: torch.Tensor, feats: Optional[dict] = None) -> torch.Tensor:
+        """Pooled features -> [dropout] -> [projection head] -> logits."""
+        pooled = torch.flatten(self.pool(h), 1)
+        z = self.dropout(pooled) if self.dropout is not None else pooled
+        if self.proj_head is not None:
+            z = self.proj_head(z)
+        if feats is not None:
+            feats["pooled"] = pooled
+            if self.proj_head is not None:
+                feats["projection"] = z
+        return self.head(z)
+
     def forward(self, x: torch.Tensor, return_features: bool = False):
         h = self.stem(x)
         last_in = h
@@ -427,10 +480,9 @@ class ResNet(nn.Module):
             if i == self.last_block_start:
                 last_in = h
             h = b(h)
-        logits = self.head(torch.flatten(self.pool(h), 1))
-        if return_features:
-            return logits, {"last_block_in": last_in, "last_block_out": h}
-        return logits
+        feats = {"last_block_in": last_in, "last_block_out": h} if return_features else None
+        logits = self._classify(h, feats)
+        return (logits, feats) if return_features else logits
 
     def run_last_block(self, features_in: torch.Tensor, width: float = 1.0, return_input: bool = False):
         """Block L at width ``width`` on ``features_in`` (full-width f_{L-1} or already sliced).
@@ -451,6 +503,30 @@ class ResNet(nn.Module):
             h = b(h, width=width)
         return (x, h) if return_input else h
 
+    def forward_width(self, x: torch.Tensor, width: float) -> torch.Tensor:
+        """Logits of the whole network slimmed to ``width`` (GradAug's sub-network F_{theta^omega}).
+
+        Every layer keeps the first ``ceil(width * C)`` of its channels (the
+        "uniform pruning" of slimmable networks); the first conv still reads
+        every input channel and the head still gives every class. Dropout
+        applies as in ``forward``; stochastic depth does not (the slimmed path
+        of a block ignores it). With a projection head there is no slimmed
+        reading, so it is refused.
+        """
+        if self.proj_head is not None:
+            raise ValueError("forward_width is not defined for a model with a projection head")
+        conv, bn = self.stem[0], self.stem[1]
+        h = F.relu(_sliced_bn(bn, _sliced_conv(conv, x, _sliced_channels(conv.out_channels, width))))
+        for layer in list(self.stem)[3:]:  # the ImageNet stem's max-pool
+            h = layer(h)
+        for b in self.blocks:
+            h = b(h, width=width)
+        pooled = torch.flatten(self.pool(h), 1)
+        if self.dropout is not None:
+            pooled = self.dropout(pooled)
+        c = pooled.shape[1]
+        return F.linear(pooled, self.head.weight[:, :c], self.head.bias)
+
     def set_stochastic_depth(self, final_keep_prob: float) -> None:
         """Linear decay rho_l = 1 - (l / L) (1 - rho_L) over the L residual blocks (l = 1..L)."""
         if not 0.0 < final_keep_prob <= 1.0:
@@ -459,10 +535,16 @@ class ResNet(nn.Module):
         for l, b in enumerate(self.blocks, start=1):
             b.keep_prob = 1.0 - l / n * (1.0 - final_keep_prob)
 
+    def set_depth_generator(self, generator: Optional[torch.Generator]) -> None:
+        """The CPU generator every block draws its stochastic-depth Bernoulli from (None: torch's default)."""
+        for b in self.blocks:
+            b.generator = generator
+
     def layers(self):
         return (
             [("stem", self.stem)]
             + [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)]
+            + ([("proj_head", self.proj_head)] if self.proj_head is not None else [])
             + [("head", self.head)]
         )
 
@@ -658,7 +740,7 @@ def vgg_fedmix(input_shape, num_classes, dropout: float = 0.1, fc_width: int = 5
 
 
 @register_model("resnet56")
-def resnet56(input_shape, num_classes, block: str = "bottleneck", last_block: str = "stage"):
+def resnet56(input_shape, num_classes, block: str = "bottleneck", last_block: str = "stage", projection_dim: int = 0):
     """ResNet-56 for 32x32 inputs: stem 3x3 conv (16), three stages at 16/32/64 planes, strides 1/2/2.
 
     FedAlign uses "ResNet56 (as implemented in FedML)": Bottleneck blocks, 6 per
@@ -666,24 +748,45 @@ def resnet56(input_shape, num_classes, block: str = "bottleneck", last_block: st
     (final features 256). Its parameter count, 0.61 M with 100 classes, is the
     one FedAlign reports (Table 5). ``block="basic"`` gives He et al.'s
     original CIFAR ResNet-56: 9 basic blocks per stage, 16/32/64 channels
-    (0.86 M with projection shortcuts).
+    (0.86 M with projection shortcuts). ``projection_dim=256`` adds MOON's
+    projection head (FedAlign Sec. 3.2: "a two-layer projection layer is added
+    to the model for MOON").
     """
+    kw = dict(last_block=last_block, projection_dim=projection_dim)
     if block == "bottleneck":
-        return ResNet(input_shape, num_classes, Bottleneck, (6, 6, 6), (16, 32, 64), "cifar", 16, last_block)
+        return ResNet(input_shape, num_classes, Bottleneck, (6, 6, 6), (16, 32, 64), "cifar", 16, **kw)
     if block == "basic":
-        return ResNet(input_shape, num_classes, BasicBlock, (9, 9, 9), (16, 32, 64), "cifar", 16, last_block)
+        return ResNet(input_shape, num_classes, BasicBlock, (9, 9, 9), (16, 32, 64), "cifar", 16, **kw)
     raise ConfigError(f"resnet56: block must be 'bottleneck' or 'basic'; got {block!r}")
 
 
 @register_model("resnet18")
-def resnet18(input_shape, num_classes, stem: str = "imagenet", last_block: str = "stage"):
+def resnet18(input_shape, num_classes, stem: str = "imagenet", last_block: str = "stage", projection_dim: int = 0):
     """ResNet-18 (He et al.): 4 stages of 2 basic blocks, 64/128/256/512 channels.
 
     ``stem="imagenet"`` (default, as in FedAlign's code for ImageNet-200):
     7x7/2 conv + 3x3/2 max-pool, so 64x64 inputs end at 2x2 and 224x224 at
-    7x7. ``stem="cifar"``: a 3x3/1 conv and no pool.
+    7x7. ``stem="cifar"``: a 3x3/1 conv and no pool. ``projection_dim``: MOON's head.
     """
-    return ResNet(input_shape, num_classes, BasicBlock, (2, 2, 2, 2), (64, 128, 256, 512), stem, 64, last_block)
+    return ResNet(input_shape, num_classes, BasicBlock, (2, 2, 2, 2), (64, 128, 256, 512), stem, 64, last_block,
+                  projection_dim=projection_dim)
+
+
+@register_model("resnet_digits")
+def resnet_digits(input_shape, num_classes, width: int = 8, blocks: int = 1, norm: str = "batch",
+                  dropout: float = 0.0, projection_dim: int = 0, last_block: str = "stage"):
+    """A ResNet sized for 8x8 digits: the FedAlign family's methods on a laptop and in tests.
+
+    3x3 stem (``width`` channels), three stages of ``blocks`` basic blocks at
+    width / 2 width / 4 width channels, strides 1/2/2 (8x8 -> 4x4 -> 2x2), so it
+    has a last stage to slim (FedAlign), blocks to drop (StochDepth), widths to
+    sample (GradAug) and, with ``projection_dim``, MOON's head. ``norm`` and
+    ``dropout`` as in :class:`ResNet`. About 20 K parameters at the defaults.
+    """
+    if width < 1 or blocks < 1:
+        raise ConfigError(f"resnet_digits: width and blocks must be >= 1; got {width}, {blocks}")
+    return ResNet(input_shape, num_classes, BasicBlock, (blocks,) * 3, (width, 2 * width, 4 * width), "cifar",
+                  width, last_block, norm=norm, dropout=dropout, projection_dim=projection_dim)
 
 
 @register_model("pmixfed_cnn")

@@ -1,0 +1,207 @@
+"""The second-order analysis (fedhpc/analysis/hessian.py, FedAlign Sec. 3.4) against exact Hessians.
+
+Exact Hessians come from ``torch.autograd.functional.hessian`` of the loss as a function of
+the flat parameter vector (``torch.func.functional_call``): nothing of the tool's HVP code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from conftest import REPO, clean_env, mpiexec
+from fedhpc.analysis.hessian import (Objective, RunAnalysis, hessian_diagonal, hessian_matching, hutchinson_trace,
+                                     layerwise, main, rademacher, saved_clients, top_eigenvalue)
+from fedhpc.algorithms.base import derive_seed
+from fedhpc.world import World
+
+torch.set_num_threads(1)
+
+
+def exact_hessian(model, batches):
+    """H of mean CE over all samples of ``batches``, parameters flattened in model.parameters() order."""
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    sizes = [p.numel() for _, p in model.named_parameters()]
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+
+    def loss(flat):
+        params = {n: t.view(s) for n, t, s in zip(names, torch.split(flat, sizes), shapes)}
+        return F.cross_entropy(functional_call(model, params, (x,)), y)
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    return torch.autograd.functional.hessian(loss, flat)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3)).double().eval()
+    x, y = torch.randn(40, 6, dtype=torch.float64), torch.randint(0, 3, (40,))
+    batches = [(x[s:s + 7], y[s:s + 7]) for s in range(0, 40, 7)]  # uneven batches
+    return model, batches, exact_hessian(model, batches)
+
+
+def test_hvp_is_the_exact_hessian_times_v(tiny):
+    model, batches, H = tiny
+    obj = Objective(model, batches, 40)
+    assert obj.numel == H.shape[0] == 43
+    v = torch.randn(43, dtype=torch.float64)
+    assert torch.allclose(obj.hvp(v), H @ v, atol=1e-12)
+    # data split over two "ranks" and summed equals the whole
+    halves = [Objective(model, batches[:3], 40), Objective(model, batches[3:], 40)]
+    assert torch.allclose(halves[0].hvp(v) + halves[1].hvp(v), H @ v, atol=1e-12)
+
+
+def whole(tiny):
+    """The tiny problem as one batch (the estimators below need many HVPs)."""
+    model, batches, H = tiny
+    return model, Objective(model, [(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))], 40), H
+
+
+def test_top_eigenvalue_and_trace(tiny):
+    model, obj, H = whole(tiny)
+    evals, evecs = torch.linalg.eigh(H)
+    top = int(evals.abs().argmax())
+    eig, vec, steps = top_eigenvalue(obj, iters=2000, tol=1e-13, seed=1)
+    assert abs(eig - float(evals[top])) < 1e-8 * abs(float(evals[top]))
+    assert abs(abs(float(vec @ evecs[:, top])) - 1) < 1e-6
+    # the default stopping rule stops early, within tol of the answer
+    eig_fast, _, steps_fast = top_eigenvalue(obj, iters=100, tol=1e-3, seed=1)
+    assert steps_fast < 100 and abs(eig_fast - float(evals[top])) < 0.05 * abs(float(evals[top]))
+    # Hutchinson: exactly the mean of z^T H z over its documented stream, and near tr(H)
+    n = 1500
+    est, used = hutchinson_trace(obj, iters=n, tol=0.0, seed=2)
+    gen = torch.Generator().manual_seed(derive_seed(2, "hutchinson"))
+    zs = torch.stack([rademacher(43, gen) for _ in range(n)])
+    assert used == n and abs(est - float(((zs @ H) * zs).sum(1).mean())) < 1e-10
+    off = H - torch.diag(torch.diag(H))
+    sd = math.sqrt(2 * float((off ** 2).sum()) / n)
+    assert abs(est - float(torch.trace(H))) < 5 * sd
+
+
+def test_diagonals_true_and_layerwise(tiny):
+    model, obj, H = whole(tiny)
+    exact = hessian_diagonal(obj, method="exact")
+    assert torch.allclose(exact, torch.diag(H), atol=1e-12)
+    n = 1500
+    est = hessian_diagonal(obj, samples=n, seed=3, key=7)
+    gen = torch.Generator().manual_seed(derive_seed(3, "hessian_diag", 7))
+    zs = torch.stack([rademacher(43, gen) for _ in range(n)])
+    assert torch.allclose(est, (zs * (zs @ H)).mean(0), atol=1e-12)  # H symmetric: (H z)^T = z^T H
+    off_sq = (H ** 2).sum(1) - torch.diag(H) ** 2  # variance of z_i (Hz)_i
+    assert ((est - torch.diag(H)).abs() <= 5 * (off_sq / n).sqrt() + 1e-12).all()
+    # the authors' layer-wise reading: one number per parameter tensor, the block's trace
+    blocks = layerwise(exact, obj.sizes)
+    assert blocks.shape == (4,)
+    bounds = [0, 24, 28, 40, 43]
+    assert torch.allclose(blocks, torch.stack([torch.diag(H)[a:b].sum() for a, b in zip(bounds, bounds[1:])]))
+
+
+def test_hessian_matching_by_brute_force():
+    g = torch.Generator().manual_seed(4)
+    diags = [torch.randn(10, generator=g, dtype=torch.float64) for _ in range(4)]
+    hn, hd = {}, {}
+    for mode, pairs in (("distinct", [(k, j) for k in range(4) for j in range(k + 1, 4)]),
+                        ("all", [(k, j) for k in range(4) for j in range(4)])):
+        n = [math.sqrt(sum(float(v) ** 2 for v in d)) for d in diags]
+        hn[mode] = sum((n[k] - n[j]) ** 2 for k, j in pairs) / len(pairs)
+        hd[mode] = sum(sum(float(a) * float(b) for a, b in zip(diags[k], diags[j])) / (n[k] * n[j])
+                       for k, j in pairs) / len(pairs)
+        got = hessian_matching(diags, mode)
+        assert abs(got[0] - hn[mode]) < 1e-12 and abs(got[1] - hd[mode]) < 1e-12
+    assert hn["all"] < hn["distinct"] and hd["all"] > hd["distinct"]  # k = j pulls them to 0 and 1
+
+
+def test_batchnorm_model_in_eval_mode_does_not_depend_on_batching():
+    from fedhpc.models import build_model
+
+    torch.manual_seed(5)
+    model = build_model("resnet_digits", (1, 8, 8), 10, {"width": 2}).double()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.3, 0.3); m.running_var.uniform_(0.5, 1.5)
+    model.eval()
+    x, y = torch.rand(30, 1, 8, 8, dtype=torch.float64), torch.randint(0, 10, (30,))
+    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    a = Objective(model, [(x, y)], 30).hvp(v)
+    b = Objective(model, [(x[s:s + 4], y[s:s + 4]) for s in range(0, 30, 4)], 30).hvp(v)
+    assert torch.allclose(a, b, atol=1e-10) and float(a.abs().max()) > 1e-6
+
+
+# ----------------------------------------------------------------------------- the command on a run
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """Two rounds of Mixup on the digits with a 160-parameter MLP, client models saved."""
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+
+    out = str(tmp_path_factory.mktemp("hess") / "run")
+    argv = ["--algo", "mixup", "--dataset", "digits", "--model", "mlp", "--model-opt", "hidden=2",
+            "--num-clients", "4", "--clients-per-round", "3", "--rounds", "2", "--local-epochs", "1",
+            "--batch-size", "32", "--lr", "0.1", "--partition", "dirichlet:1.0", "--seed", "2",
+            "--threads", "1", "--quiet", "--no-tensorboard", "--save-client-models", "last", "--out", out]
+    Engine(*parse_args(argv), World(threads=1)).run()
+    return out
+
+
+ARGS = ["--dtype", "float64", "--batches", "3", "--batch-size", "50", "--iters", "2000", "--tol", "1e-13",
+        "--trace-iters", "20", "--trace-tol", "0", "--diag-method", "exact", "--threads", "1"]
+
+
+def test_command_against_exact_hessians(run_dir, tmp_path):
+    out = str(tmp_path / "h.json")
+    assert main([run_dir, *ARGS, "--out", out]) == 0
+    res = json.load(open(out))
+    run = RunAnalysis(run_dir, None, World(threads=1), torch.float64)
+    # global model on the centralized sample
+    model = run.load(os.path.join(run_dir, "final_model.pt"))
+    central = run.central_sample(3, 50, 0)
+    assert sum(len(y) for _, y in central) == 150
+    H = exact_hessian(model, central)
+    ev = torch.linalg.eigvalsh(H)
+    assert abs(res["global"]["lambda_max"] - float(ev[ev.abs().argmax()])) < 1e-6 * float(ev.abs().max())
+    assert res["global"]["samples"] == 150 and res["global"]["data"] == "central"
+    # H_N, H_D of the saved client models on each client's own data
+    m = res["matching"]
+    assert m["clients"] == saved_clients(run_dir, 2) and len(m["clients"]) == 3
+    assert (m["model"], m["data"], m["diagonal"], m["pairs"]) == ("client", "client", "true", "distinct")
+    diags = []
+    for cid in m["clients"]:
+        model = run.load(os.path.join(run_dir, "client_models", "round_000002", f"client_{cid:06d}.pt"))
+        c = run.data.client(cid)
+        diags.append(torch.diag(exact_hessian(model, [(c.x.double(), c.y)])))
+    hn, hd = hessian_matching(diags)
+    assert abs(m["H_N"] - hn) < 1e-9 * max(1.0, hn) and abs(m["H_D"] - hd) < 1e-9
+    assert 0 < hd < 1 and hn > 0
+
+
+def test_command_on_two_ranks_equals_one(run_dir, tmp_path):
+    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+    extra = ["--diagonal", "layerwise", "--matching-data", "central", "--pairs", "all", "--iters", "40"]
+    assert main([run_dir, *ARGS, *extra, "--out", one]) == 0
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "fedhpc.analysis.hessian", run_dir, *ARGS,
+                        *extra, "--out", two], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = json.load(open(one)), json.load(open(two))
+    assert b["ranks"] == 2 and a["ranks"] == 1
+    for section, key in (("global", "lambda_max"), ("global", "trace"), ("matching", "H_N"), ("matching", "H_D")):
+        assert abs(a[section][key] - b[section][key]) <= 1e-9 * max(1.0, abs(a[section][key])), key
+    assert a["matching"]["data"] == "central" and a["matching"]["diagonal"] == "layerwise"
+
+
+def test_command_errors_name_the_fix(tmp_path, run_dir):
+    assert main([str(tmp_path), "--threads", "1"]) == 2  # no config.yaml
+    assert main([run_dir, "--threads", "1", "--round", "1", "--skip-global", "--batches", "1"]) == 2  # nothing saved at round 1
