@@ -72,3 +72,46 @@ def mlp(input_shape, num_classes, hidden: int = 64, depth: int = 2):
 @register_model("cnn")
 def cnn(input_shape, num_classes, width: int = 16, hidden: int = 64, norm: str = "none", dropout: float = 0.0):
     return SmallCNN(input_shape, num_classes, width, hidden, norm, dropout)
+
+
+class PMixFedDigitsCNN(nn.Module):
+    """pMixFed's "4 convolutional layers (1 block each) and 1 fully connected layer", sized for
+    8x8 digits: four 3x3 conv blocks (padding 1, optional BatchNorm, ReLU), a 2x2 max-pool
+    after the second and the fourth (8x8 -> 2x2), one linear head. ``layers()`` lists the four
+    conv blocks and the head, so the paper's "layers [1,2] shared" is ``first:half``.
+    ``dropout`` > 0 drops features before the head (the standard tests' dropout stand-in).
+    """
+
+    def __init__(self, input_shape, num_classes: int, channels: int = 16, norm: str = "batch",
+                 dropout: float = 0.0):
+        super().__init__()
+        if norm not in ("none", "batch"):
+            raise ConfigError(f"pmixfed_cnn_digits option norm must be none or batch, got {norm!r}")
+        if not 0 <= dropout < 1:
+            raise ConfigError(f"pmixfed_cnn_digits option dropout must be in [0, 1), got {dropout}")
+        c, h, w = input_shape
+        blocks, in_ch = [], c
+        for i in range(4):
+            layers = [nn.Conv2d(in_ch, channels, 3, padding=1)]
+            layers += [nn.BatchNorm2d(channels)] if norm == "batch" else []
+            layers += [nn.ReLU()] + ([nn.MaxPool2d(2)] if i % 2 == 1 else [])
+            blocks.append(nn.Sequential(*layers))
+            in_ch = channels
+        self.convs = nn.ModuleList(blocks)
+        if h // 4 < 1 or w // 4 < 1:
+            raise ConfigError(f"pmixfed_cnn_digits needs inputs of at least 4x4, got {h}x{w}")
+        self.head = nn.Sequential(nn.Flatten(), *([nn.Dropout(dropout)] if dropout > 0 else []),
+                                  nn.Linear(channels * (h // 4) * (w // 4), num_classes))
+
+    def forward(self, x):
+        for b in self.convs:
+            x = b(x)
+        return self.head(x)
+
+    def layers(self):
+        return [(f"convs.{i}", b) for i, b in enumerate(self.convs)] + [("head", self.head)]
+
+
+@register_model("pmixfed_cnn_digits")
+def pmixfed_cnn_digits(input_shape, num_classes, channels: int = 16, norm: str = "batch", dropout: float = 0.0):
+    return PMixFedDigitsCNN(input_shape, num_classes, channels, norm, dropout)

@@ -1,0 +1,112 @@
+"""Ditto (Li, Hu, Beirami & Smith, ICML 2021): a personal model regularised towards the global one.
+
+Each client keeps a personal model v_k (client-state store) besides training the global one.
+As in the official code, on every mini-batch the client first takes ``--personal-steps``
+steps on its personal objective
+
+    h_k(v) = F_k(v) + (lam / 2) ||v - w^t||^2,  gradient  grad F_k(v) + lam (v - w^t)
+
+(w^t: the global model the round started from), then one ordinary step on the global
+model w (FedAvg's local update); it uploads w and keeps v_k. Each of the two models has its
+own fresh optimiser of the run's kind (--optimizer) per client and round. A client's v_k
+starts as the global model it first receives. ``--lam`` (official default 1).
+
+The personalised model (evaluation) is v_k. A cold-start client trains v from the final
+global model on h_k for ``--finetune-epochs`` epochs.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError
+from ..flat import FlatModel
+from . import register_algorithm
+from .base import task_loss
+from .personal import PersonalAlgorithm, PersonalOptions, fresh_optimizer
+
+
+@dataclass
+class DittoOptions(PersonalOptions):
+    lam: float = field(default=1.0, metadata={"help": "lambda of the personal objective's (lam/2)||v - w||^2 (official: 1)"})
+    personal_steps: int = field(default=1, metadata={"help": "personal steps per mini-batch, before the global step"})
+
+    def validate(self):
+        super().validate()
+        if not self.lam >= 0:
+            raise ConfigError(f"--lam must be >= 0, got {self.lam}")
+        if self.personal_steps < 1:
+            raise ConfigError(f"--personal-steps must be >= 1, got {self.personal_steps}")
+
+
+@register_algorithm("ditto")
+class Ditto(PersonalAlgorithm):
+    """Ditto: per-client personal model with a proximal pull to the global model; global by FedAvg."""
+
+    Options = DittoOptions
+    uses_client_state = True
+
+    def setup(self):
+        super().setup()
+        self.personal_net = copy.deepcopy(self.model)
+        self.personal_flat = FlatModel(self.personal_net)
+
+    def download(self, ctx):
+        super().download(ctx)
+        mine = ctx.load_state()
+        self.personal_flat.load_(self.global_state if mine is None else mine)
+
+    def personal_step(self, x, y, opt, anchor) -> None:
+        """One step on h_k: grad F_k(v) + lam (v - w^t), where ``anchor`` are w^t's parameters."""
+        net = self.personal_net
+        opt.zero_grad(set_to_none=True)
+        task_loss(net(x), y).backward()
+        with torch.no_grad():
+            for p, w in zip(net.parameters(), anchor):
+                if p.grad is not None:
+                    p.grad.add_(p - w, alpha=self.options.lam)
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(net.parameters()), self.cfg.grad_clip)
+        opt.step()
+
+    def local_update(self, model, ctx):
+        self.personal_net.train(model.training)
+        anchor = self.flat.param_views(self.global_state)
+        popt = fresh_optimizer(self.cfg, self.personal_net.parameters(), ctx.lr)
+        opt = fresh_optimizer(self.cfg, model.parameters(), ctx.lr)
+        params = list(model.parameters())
+        for epoch in range(self.cfg.local_epochs):
+            for x, y in ctx.batches(epoch):
+                for _ in range(self.options.personal_steps):
+                    self.personal_step(x, y, popt, anchor)
+                opt.zero_grad(set_to_none=True)
+                loss = self.loss(model, x, y, ctx)
+                loss.backward()
+                if self.cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+                opt.step()
+                ctx.record(loss, y.shape[0])
+
+    def upload(self, model, ctx):
+        ctx.save_state(self.personal_flat.flat)
+        return super().upload(model, ctx)
+
+    def aggregate(self, global_state, totals, weight_total, rnd):
+        return self.remember_global(super().aggregate(global_state, totals, weight_total, rnd))
+
+    def client_model(self, cid):
+        return self.client_state.get_slot(cid, "algo")
+
+    def adapt(self, model, ctx):
+        g = self.flat.flat.detach().clone()  # the model holds the final global
+        self.personal_flat.load_(g)
+        self.personal_net.train()
+        anchor = self.flat.param_views(g)
+        popt = fresh_optimizer(self.cfg, self.personal_net.parameters(), ctx.lr)
+        for epoch in range(self.options.finetune_epochs):
+            for x, y in ctx.batches(epoch):
+                self.personal_step(x, y, popt, anchor)
+        self.flat.load_(self.personal_flat.flat)  # the engine evaluates ``model``

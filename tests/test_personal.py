@@ -1,0 +1,241 @@
+"""The personalised family: layer selection and personal parts over the flat state, FedBABU's
+truly frozen head, Per-FedAvg's HF step, the personal state kept per client, personalised
+evaluation and cold-start clients against brute-force loops, and both on 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import launch
+from fedhpc.algorithms.personal import LayerMap, Part, select_layers, split_layers
+from fedhpc.config import parse_args
+from fedhpc.engine import Engine
+from fedhpc.errors import ConfigError
+from fedhpc.flat import FlatModel
+from fedhpc.models import build_model
+from fedhpc.world import World
+from reference_steps import autograd, batch_indices
+from reference_steps_pmixfed import model_at
+
+torch.set_num_threads(1)
+
+BASE = ["--dataset", "digits", "--num-clients", "8", "--clients-per-round", "3", "--rounds", "2",
+        "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--partition", "classes:5",
+        "--seed", "2", "--threads", "1", "--quiet", "--no-tensorboard"]
+CNN = ["--model", "pmixfed_cnn_digits", "--model-opt", "channels=4"]
+
+
+def engine(argv):
+    cfg, ao, do = parse_args(argv)
+    return Engine(cfg, ao, do, World(threads=1))
+
+
+# ----------------------------------------------------------------------------- selecting layers
+
+NAMES = ["convs.0", "convs.1", "convs.2", "convs.3", "head"]
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("head", [4]), ("base", [0]), ("first:half", [0, 1]), ("last:2", [3, 4]), ("first:0", []),
+    ("convs", [0, 1, 2, 3]), ("convs.2, head", [2, 4]), ("first:1,last:1", [0, 4]),
+])
+def test_layers_are_chosen_by_name(spec, want):
+    assert select_layers(NAMES, spec, "--x") == want
+
+
+def test_bad_selections_name_the_fix():
+    with pytest.raises(ConfigError, match="no layer named 'fc'.*convs.0"):
+        select_layers(NAMES, "fc", "--personal-layers")
+    with pytest.raises(ConfigError, match="must select some but not all"):
+        split_layers(NAMES, "convs,head", "--personal-layers")
+    with pytest.raises(ConfigError, match="6 of the model's 5"):
+        select_layers(NAMES, "last:6", "--x")
+    with pytest.raises(ConfigError, match="--shared-layers"):
+        engine(["--algo", "fedsim", *BASE, *CNN, "--shared-layers", "first:0"])
+
+
+def test_a_part_gathers_and_scatters_its_layers_parameters_and_buffers():
+    model = build_model("pmixfed_cnn_digits", (1, 8, 8), 10, {"channels": 4})
+    flat = FlatModel(model)
+    part = Part(LayerMap(model, flat), [1, 4])  # convs.1 (conv, BN and its statistics) and the head
+    names = {e.name for e in flat.entries if e.name.startswith(("convs.1.", "head."))}
+    assert part.numel == sum(e.numel for e in flat.entries if e.name in names)
+    assert any("running_mean" in n for n in names) and len(part.ranges) >= 2   # parameters, later buffers
+    vec = torch.arange(flat.numel, dtype=torch.float32)
+    compact = part.gather(vec)
+    want = torch.cat([vec[e.offset:e.offset + e.numel] for e in flat.entries if e.name in names])
+    assert torch.equal(compact, want)
+    other = torch.zeros(flat.numel)
+    part.scatter_(other, compact)
+    for e in flat.entries:
+        sl = slice(e.offset, e.offset + e.numel)
+        assert torch.equal(other[sl], vec[sl] if e.name in names else torch.zeros(e.numel))
+
+
+# ----------------------------------------------------------------------------- personal state
+
+def test_partial_methods_keep_only_their_personal_part_per_client():
+    eng = engine(["--algo", "fedper", *BASE, *CNN])
+    for t in range(2):
+        eng.run_round(t)
+    head = sum(p.numel() for p in eng.model.head.parameters())
+    states = dict(eng.client_state.items())
+    assert states and all(s["algo"].numel() == head for s in states.values())
+    # the server never touched the personal part: the global head is the initial one
+    init = engine(["--algo", "fedper", *BASE, *CNN]).global_state
+    ranges = eng.algo.personal.ranges
+    assert all(torch.equal(eng.global_state[a:b], init[a:b]) for a, b in ranges)
+    assert bytes_per_round(eng) == 2 * 3 * 4 * (eng.flat.numel - head)  # only the shared part travels
+
+
+def bytes_per_round(eng):
+    return eng.algo.ledger.values.sum().item()
+
+
+# ----------------------------------------------------------------------------- FedBABU
+
+@pytest.mark.parametrize("opt", [["--optimizer", "sgd", "--momentum", "0.9", "--weight-decay", "0.1"],
+                                 ["--optimizer", "adam", "--lr", "0.01", "--weight-decay", "0.1"]],
+                         ids=["sgd-momentum-wd", "adam-wd"])
+def test_fedbabu_head_is_bit_identical_after_federated_training(opt):
+    eng = engine(["--algo", "fedbabu", *BASE, *CNN, "--rounds", "3", *opt])
+    init = eng.global_state.clone()
+    head = eng.algo.head
+    for t in range(2):
+        eng.run_round(t)
+        # the last client trained in place: its head is still the initial one, bit for bit
+        assert all(torch.equal(eng.flat.flat[a:b], init[a:b]) for a, b in head.ranges)
+    assert all(torch.equal(eng.global_state[a:b], init[a:b]) for a, b in head.ranges)
+    assert float((eng.global_state - init).abs().max()) > 1e-3            # the body did train
+    assert eng.algo.client_model(0) is None                               # not the last round yet
+    eng.run_round(2)
+    tuned = eng.algo.client_model(0)                                      # the end: fine-tuned
+    assert float(max((tuned[a:b] - init[a:b]).abs().max() for a, b in head.ranges)) > 1e-4
+
+
+# ----------------------------------------------------------------------------- Per-FedAvg HF
+
+def test_per_fedavg_hf_meta_gradient_against_an_exact_hessian_vector_product():
+    eng = engine(["--algo", "per_fedavg", *BASE, "--model", "mlp", "--variant", "hf", "--alpha", "0.1"])
+    algo, c = eng.algo, eng.data.client(0)
+    idx = batch_indices(eng.cfg.seed, 0, 0, 0, c.num_train, 16)[:3]
+    batches = [(c.x[i], c.y[i]) for i in idx]
+    w = eng.flat.flat.clone()
+    from fedhpc.algorithms.base import ClientContext, RoundInfo
+    ctx = ClientContext(algo, 0, c, RoundInfo(0, [0], [0], 0.05))
+    _, got = algo.meta_gradient(eng.model, batches, ctx)
+    assert torch.equal(eng.flat.flat, w)                                  # restored before the meta step
+    # by hand, float64: (I - alpha H(w; D3)) grad f(w - alpha grad f(w; D1); D2), H v exact
+    m = model_at(eng, w.double())
+    xs = [(b[0].double(), b[1]) for b in batches]
+    g1 = autograd(m, F.cross_entropy(m(xs[0][0]), xs[0][1]))
+    m2 = model_at(eng, w.double())
+    with torch.no_grad():
+        for p, g in zip(m2.parameters(), g1):
+            p -= 0.1 * g
+    g2 = autograd(m2, F.cross_entropy(m2(xs[1][0]), xs[1][1]))
+    gd = torch.autograd.grad(F.cross_entropy(m(xs[2][0]), xs[2][1]), list(m.parameters()), create_graph=True)
+    hv = torch.autograd.grad(sum((a * v).sum() for a, v in zip(gd, g2)), list(m.parameters()))
+    want = [a - 0.1 * h for a, h in zip(g2, hv)]
+    err = max(float((x.double() - y).abs().max()) for x, y in zip(got, want))
+    scale = max(float(y.abs().max()) for y in want)
+    assert err < 1e-3 * scale
+    # the Hessian term matters: the first-order gradient alone is further off
+    assert max(float((x - y).abs().max()) for x, y in zip(g2, want)) > 10 * err
+
+
+# ----------------------------------------------------------------------------- personalised evaluation
+
+def brute_force_local(eng):
+    """Each trained client's own model (or the global one) on its own split, by a plain loop."""
+    per, pooled, glob = {}, [0, 0], 0
+    for cid in eng.training_clients:
+        x, y = eng.data.client_test_split(cid)
+        if len(y) == 0:
+            continue
+        own = eng.algo.client_model(cid)
+        with torch.no_grad():
+            m = model_at(eng, (eng.global_state if own is None else own).double()).eval()
+            hits = [int(m(x[i:i + 1].double()).argmax()) == int(y[i]) for i in range(len(y))]
+            g = model_at(eng, eng.global_state.double()).eval()
+            glob += sum(int(g(x[i:i + 1].double()).argmax()) == int(y[i]) for i in range(len(y)))
+        per[cid] = sum(hits) / len(hits)
+        pooled[0] += sum(hits)
+        pooled[1] += len(hits)
+    accs = sorted(per.values())
+    mean = sum(accs) / len(accs)
+    k = math.ceil(0.1 * len(accs))
+    return {"local_test_accuracy": pooled[0] / pooled[1], "local_test_accuracy_mean": mean,
+            "local_test_accuracy_std": math.sqrt(sum((a - mean) ** 2 for a in accs) / len(accs)),
+            "local_test_accuracy_worst10": sum(accs[:k]) / k,
+            "local_test_accuracy_global_model": glob / pooled[1]}
+
+
+@pytest.mark.parametrize("algo", ["fedper", "ditto", "per_fedavg"])
+def test_personalised_evaluation_equals_a_loop_over_clients(algo):
+    eng = engine(["--algo", algo, *BASE, "--model", "mlp", "--cold-start-fraction", "0.25"])
+    for t in range(2):
+        eng.run_round(t)
+    got = eng.evaluate()
+    want = brute_force_local(eng)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, abs=1e-12), k
+    assert got["local_test_accuracy_mean"] != pytest.approx(got["local_test_accuracy_global_model"])
+
+
+def test_cold_start_clients_adapt_then_report_both_gaps():
+    """Per-FedAvg's cold-start adaptation is one SGD step of size alpha on the client's first
+    batch (round index T); the participation gap is trained mean minus cold-start mean."""
+    eng = engine(["--algo", "per_fedavg", *BASE, "--model", "mlp", "--cold-start-fraction", "0.25", "--alpha", "0.2"])
+    cold = eng.cold_start
+    assert len(cold) == 2 and not set(cold) & set(eng.training_clients)
+    for t in range(2):
+        eng.run_round(t)
+    local = eng.evaluate()
+    got = eng._evaluate_cold_start(local)
+    before, after, counts = [], [], []
+    for cid in cold:
+        c = eng.data.client(cid)
+        first = batch_indices(eng.cfg.seed, eng.cfg.rounds, cid, 0, c.num_train, eng.cfg.batch_size)[0]
+        m = model_at(eng, eng.global_state.double())
+        x, y = eng.data.client_test_split(cid)
+        with torch.no_grad():
+            before.append(int((m(x.double()).argmax(-1) == y).sum()))
+        g = autograd(m, F.cross_entropy(m(c.x[first].double()), c.y[first]))
+        with torch.no_grad():
+            for p, gi in zip(m.parameters(), g):
+                p -= 0.2 * gi
+            after.append(int((m(x.double()).argmax(-1) == y).sum()))
+        counts.append(len(y))
+    assert got["cold_start_accuracy"] == pytest.approx(sum(after) / sum(counts), abs=1e-12)
+    assert got["cold_start_accuracy_global_model"] == pytest.approx(sum(before) / sum(counts), abs=1e-12)
+    mean_after = sum(a / n for a, n in zip(after, counts)) / len(cold)
+    assert got["participation_gap"] == pytest.approx(local["local_test_accuracy_mean"] - mean_after, abs=1e-12)
+    assert after != before  # the adaptation step changed predictions
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+
+def test_personal_state_evaluation_and_cold_start_on_two_ranks(tmp_path):
+    """pMixFed with its personal models, personalised evaluation and cold-start adaptation:
+    the metrics of 1 and 2 MPI ranks agree (state migrates between ranks every round)."""
+    args = ["--algo", "pmixfed", *BASE, "--model", "cnn", "--model-opt", "width=4", "--model-opt", "hidden=16",
+            "--model-opt", "norm=batch", "--rounds", "3", "--clients-per-round", "4",
+            "--cold-start-fraction", "0.25", "--finetune-epochs", "1"]
+    rows = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"r{ranks}"
+        p = launch(args + ["--out", str(out)], ranks=ranks, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        rows[ranks] = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    last1, last2 = rows[1][-1], rows[2][-1]
+    keys = [k for k in last1 if k.startswith(("local_test", "cold_start", "participation", "mu_", "acc_", "test_acc"))]
+    assert "cold_start_accuracy" in keys and "local_test_accuracy_mean" in keys
+    for k in keys:
+        assert last1[k] == pytest.approx(last2[k], abs=1e-9), k
