@@ -215,6 +215,22 @@ def test_segment_mix_of_large_states_streams_its_output(dtype):
         assert torch.equal(ops.segment_mix(a, b, off, lam), want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_segment_mix_of_many_clients_against_a_large_shared_state(dtype):
+    """A shared state over 8 MB takes the column-tiled path (CPU): bit-identical, with a
+    ragged tail tile and segments that cross tile boundaries."""
+    native_or_skip()
+    gen = torch.Generator().manual_seed(11)
+    p = (9 << 20) // torch.tensor([], dtype=dtype).element_size() + 5
+    lengths = [70001, 3, p - 70001 - 3 - 131072, 131072]
+    off = ops.segment_offsets(lengths)
+    a, b = rand((3, p), dtype, gen), rand(p, dtype, gen)
+    lam = rand((3, 4), dtype, gen)
+    with ops.prefer("native"):
+        assert torch.equal(ops.segment_mix(a, b, off, lam), reference.segment_mix(a, b, off, lam))
+        assert torch.equal(ops.segment_mix(b, a, off, lam), reference.segment_mix(b, a, off, lam))
+
+
 def test_segment_mix_rejects_bad_input():
     off = ops.segment_offsets([2, 3])
     a, b = torch.rand(2, 5), torch.rand(5)
