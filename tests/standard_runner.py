@@ -9,7 +9,9 @@ same code.
 
 CASES.json: {"case name": [launcher flags...], ...}. For each case rank 0 writes
 OUT_DIR/<case>.pt with the final global state, the final metrics and every client's
-algorithm state (gathered from whichever rank holds it).
+algorithm state (gathered from whichever rank holds it). A case given as
+{"argv": [...], "interrupt_after": r} is stopped after round r as a SIGTERM would stop it
+(checkpoint under OUT_DIR/<case>_run) and resumed with ``--resume`` on the same ranks.
 """
 
 from __future__ import annotations
@@ -56,8 +58,19 @@ def main():
 
     world = World(threads=1)
     try:
-        for name, argv in json.load(open(cases_path)).items():
-            eng, final, states = run_case(argv, world)
+        from fedhpc.engine import Preempted
+
+        for name, spec in json.load(open(cases_path)).items():
+            if isinstance(spec, dict):  # interrupted, then resumed in the same process group
+                argv = spec["argv"] + ["--out", os.path.join(out_dir, f"{name}_run")]
+                try:
+                    run_case(argv, world, interrupt_after=spec["interrupt_after"])
+                    raise RuntimeError(f"{name}: the run was not interrupted")
+                except Preempted:
+                    pass
+                eng, final, states = run_case(argv + ["--resume"], world)
+            else:
+                eng, final, states = run_case(spec, world)
             if world.rank == 0:
                 torch.save({"global_state": eng.global_state.cpu(), "final": final, "states": states},
                            os.path.join(out_dir, f"{name}.pt"))

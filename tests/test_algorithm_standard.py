@@ -1,6 +1,6 @@
 """The standard set every registered algorithm passes, the day it is registered.
 
-(a) a run interrupted by a signal and resumed equals the uninterrupted run (global
+(a) a run interrupted by a signal and resumed equals the uninterrupted run, on 1 and 2 ranks (global
     model, metrics and every client's state);
 (b) 1 and 2 ranks give the same model, with a model that has dropout and one with
     BatchNorm (one ``mpiexec -n 2`` launch runs every case);
@@ -108,6 +108,9 @@ def two_rank_results(tmp_path_factory):
     """Every algorithm x model on 2 MPI ranks, in one launch."""
     d = tmp_path_factory.mktemp("two_ranks")
     cases = {f"{a}-{m}": algo_argv(a, m) for a in ALGOS for m in MODELS}
+    # (a) on 2 ranks: client state (personal models, MOON's previous models) is spread over
+    # ranks and checkpointed in shards, so resuming there is its own case
+    cases.update({f"{a}-resumed": {"argv": algo_argv(a), "interrupt_after": 2} for a in ALGOS})
     (d / "cases.json").write_text(json.dumps(cases))
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, os.path.join(REPO, "tests", "standard_runner.py"),
                         str(d / "cases.json"), str(d)], cwd=REPO, env=clean_env(), capture_output=True,
@@ -125,6 +128,16 @@ def test_one_and_two_ranks_give_the_same_model(algo, model, two_rank_results):
     assert diff <= 1e-5, f"{algo} with {model}: 1 vs 2 ranks differ by {diff:.2e}"
     assert_states_equal(states, two["states"], tol=1e-5)
     assert abs(final["test_accuracy"] - two["final"]["test_accuracy"]) <= 1e-9
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_resumed_run_on_two_ranks_equals_uninterrupted(algo, two_rank_results):
+    full = torch.load(two_rank_results / f"{algo}-dropout.pt", weights_only=False)
+    resumed = torch.load(two_rank_results / f"{algo}-resumed.pt", weights_only=False)
+    assert torch.equal(full["global_state"], resumed["global_state"]), \
+        float((full["global_state"] - resumed["global_state"]).abs().max())
+    assert_states_equal(full["states"], resumed["states"])
+    assert full["final"]["test_accuracy"] == resumed["final"]["test_accuracy"]
 
 
 # ----------------------------------------------------------------------------- (c) own update
