@@ -14,13 +14,13 @@ normalisation, augmentation), so no per-sample Python work sits on the hot path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 
 # transform(x_batch_on_device, train, generator) -> float model input
 BatchTransform = Callable[[torch.Tensor, bool, Optional[torch.Generator]], torch.Tensor]
@@ -31,6 +31,64 @@ def default_transform(x: torch.Tensor, train: bool, generator: Optional[torch.Ge
     if x.dtype == torch.uint8:
         return x.float().div_(255.0)
     return x
+
+
+@dataclass
+class ServerDataOptions:
+    """The server's own base dataset, carved out of the training pool before the client partition.
+
+    One-shot methods (XorMixFL, MixFL, standalone) give the server an imbalanced labelled set
+    of its own: ``server_per_label`` samples of every label, except the ``server_deficient``
+    (target) labels, which get ``server_deficient_count`` (the XorMixFL authors: 200 vs 10).
+    Every dataset takes these options (``--data-opt server_per_label=200 --data-opt
+    server_deficient=0,2 --data-opt server_deficient_count=10``); they are off by default
+    (``server_per_label=0``). The carve is seeded and happens before the partition, so the
+    clients share out what is left: see :func:`fedhpc.data.partition.make_partition`.
+    """
+
+    server_per_label: int = field(default=0, metadata={
+        "help": "samples of every non-deficient label in the server's own base set (0 = no server set)"})
+    server_deficient: str = field(default="", metadata={
+        "help": "comma-separated target labels the server is deficient in, e.g. 0,2"})
+    server_deficient_count: int = field(default=0, metadata={
+        "help": "samples the server holds of each deficient label (< server_per_label)"})
+
+    def validate(self):
+        if self.server_per_label < 0 or self.server_deficient_count < 0:
+            raise ConfigError(f"data options server_per_label and server_deficient_count must be >= 0, got "
+                              f"{self.server_per_label} and {self.server_deficient_count}")
+        labels = self.deficient_labels()
+        if self.server_per_label == 0 and (labels or self.server_deficient_count):
+            raise ConfigError("data options server_deficient / server_deficient_count need a server base set: "
+                              "set server_per_label > 0 (e.g. --data-opt server_per_label=200)")
+        if labels and self.server_deficient_count >= self.server_per_label:
+            raise ConfigError(f"data option server_deficient_count ({self.server_deficient_count}) must be "
+                              f"below server_per_label ({self.server_per_label}): deficient labels have fewer "
+                              f"samples than the others")
+
+    def deficient_labels(self) -> List[int]:
+        text = str(self.server_deficient).strip().strip("[]()")  # a YAML list arrives as its text
+        if not text:
+            return []
+        try:
+            labels = [int(v) for v in text.replace("+", ",").split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"data option server_deficient must be comma-separated integer labels, e.g. 0,2; "
+                              f"got {self.server_deficient!r}")
+        if len(set(labels)) != len(labels) or min(labels) < 0:
+            raise ConfigError(f"data option server_deficient lists each label once, all >= 0; got "
+                              f"{self.server_deficient!r}")
+        return sorted(labels)
+
+    @property
+    def active(self) -> bool:
+        return self.server_per_label > 0
+
+    def counts(self, labels: Sequence[int]) -> Dict[int, int]:
+        """label -> samples the server takes of it."""
+        deficient = set(self.deficient_labels())
+        return {int(c): (self.server_deficient_count if int(c) in deficient else self.server_per_label)
+                for c in labels}
 
 
 @dataclass
@@ -94,6 +152,14 @@ class FederatedData(ABC):
         """Whether training batches are randomly augmented (a generator is then made per epoch)."""
         return bool(getattr(self.transform, "augments", False))
 
+    def server_data(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """The server's own base set (x, y) as CPU tensors in the clients' stored form, or None.
+
+        Set by the ``server_*`` data options (:class:`ServerDataOptions`); one-shot methods
+        (XorMixFL) train on it. Its samples belong to no client.
+        """
+        return None
+
     def client_test_split(self, cid: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Client ``cid``'s local test split (CPU tensors); stores may read only this part."""
         c = self.client(cid)
@@ -132,7 +198,9 @@ class ArrayFederatedData(FederatedData):
     ``partition[k]`` holds the indices (into ``x_pool``) owned by client k; each
     client's indices are split, with a seeded shuffle, into a local train part and
     a local test part of ``client_test_fraction`` (rounded down), so both follow
-    the client's own label distribution.
+    the client's own label distribution. A partition carrying ``server_indices``
+    (:class:`fedhpc.data.partition.Partition`, made under a server-set request) also
+    gives the server its own base set (:meth:`server_data`).
     """
 
     def __init__(
@@ -171,6 +239,8 @@ class ArrayFederatedData(FederatedData):
             self._train_idx.append(np.sort(idx[train]))
             self._test_idx.append(np.sort(idx[test]))
         self._sizes = np.array([len(i) for i in self._train_idx], dtype=np.int64)
+        server = getattr(partition, "server_indices", None)
+        self._server_idx = None if server is None else torch.from_numpy(np.asarray(server, dtype=np.int64))
 
     @property
     def num_clients(self) -> int:
@@ -191,6 +261,11 @@ class ArrayFederatedData(FederatedData):
 
     def test_slice(self, start: int, stop: int):
         return self._x_test[start:stop], self._y_test[start:stop]
+
+    def server_data(self):
+        if self._server_idx is None:
+            return None
+        return torch.index_select(self._x, 0, self._server_idx), torch.index_select(self._y, 0, self._server_idx)
 
     def default_model(self) -> str:
         return self._default_model

@@ -18,12 +18,30 @@ counts differ by at most one) and split each class evenly over its holders.
 Exception: ``skewed:M:A:B`` / ``mix2fld`` deal *fixed counts* per client (Mix2FLD:
 "each device has two labels with 2 samples each and the other labels with 62
 each"), so they assign every sample *at most* once and leave the rest of the pool
-to no client.
+to no client; ``deficient:L1,L2:A:B`` likewise, with the *same* minority labels on
+every client (XorMixFL: every device holds 2 samples of the target labels, 60 of
+the others).
+
+The server's own base set (one-shot methods; ``server_*`` data options, see
+:class:`fedhpc.data.base.ServerDataOptions`). :func:`fedhpc.data.build_dataset`
+opens a :func:`server_set_request` around the dataset's builder; every builder of
+a pooled dataset partitions through :func:`make_partition`, which then first takes
+the server's samples out of the pool (per label, a seeded draw independent of the
+partition's own stream) and partitions the rest. Its result is then a
+:class:`Partition` whose ``server_indices`` (into the same pool) the in-memory data
+turn into ``server_data()``. The request travels as a context variable rather than
+a parameter so that it reaches the one place every dataset partitions (digits, the
+IDX / CIFAR readers, synthetic partitions of natural datasets) without each builder
+forwarding it; a builder that never partitions through here (``natural``) or that
+writes clients to an HDF5 store leaves the request unserved, and ``build_dataset``
+or the store refuses the run with the fix.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+import contextlib
+import contextvars
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -68,10 +86,87 @@ def parse_partition(spec: str) -> Tuple[str, str]:
     return name, arg.strip()
 
 
+class Partition(list):
+    """A client partition (list of index arrays) that also names the server's own samples.
+
+    ``server_indices``: sorted rows of the pool that form the server's base set
+    (assigned to no client), or None when no server set was requested.
+    """
+
+    server_indices: Optional[np.ndarray] = None
+
+
+#: the active server-set request (a ServerDataOptions), set by build_dataset around a builder
+_SERVER_REQUEST: contextvars.ContextVar = contextvars.ContextVar("fedhpc_server_request", default=None)
+#: how many partitions served the active request (build_dataset checks that one did)
+_SERVED: contextvars.ContextVar = contextvars.ContextVar("fedhpc_server_served", default=None)
+
+
+@contextlib.contextmanager
+def server_set_request(options) -> Iterator[List[int]]:
+    """Within the block, :func:`make_partition` carves ``options``' server set out of the pool.
+
+    Yields a list that collects one entry per partition that served the request, so the
+    caller can tell whether the dataset's builder partitioned through here at all.
+    """
+    served: List[int] = []
+    t1 = _SERVER_REQUEST.set(options if options is not None and options.active else None)
+    t2 = _SERVED.set(served)
+    try:
+        yield served
+    finally:
+        _SERVER_REQUEST.reset(t1)
+        _SERVED.reset(t2)
+
+
+def carve_server_set(labels: np.ndarray, options, seed: int) -> np.ndarray:
+    """Sorted pool rows of the server's base set: ``options.counts`` samples of every label.
+
+    Per label (in label order) the first ``count`` rows of a permutation drawn from
+    ``default_rng([seed, 0x5E4E, label])``: independent of the client partition's stream
+    and of the other labels, so changing one label's count moves no other label's samples.
+    """
+    labels = np.asarray(labels)
+    present = np.unique(labels)
+    unknown = [c for c in options.deficient_labels() if c not in set(present.tolist())]
+    if unknown:
+        raise ConfigError(f"data option server_deficient names label(s) {unknown} that the training pool does "
+                          f"not hold (its labels: {present.tolist()}); list labels of this dataset")
+    rows = []
+    for c, want in sorted(options.counts(present.tolist()).items()):
+        idx = np.flatnonzero(labels == c)
+        if want > len(idx):
+            raise ConfigError(f"the server's base set asks for {want} samples of label {c} but the training pool "
+                              f"holds {len(idx)}; lower data option server_per_label (or "
+                              f"server_deficient_count) to at most {len(idx)}")
+        rng = np.random.default_rng([int(seed), 0x5E4E, int(c)])
+        rows.append(idx[rng.permutation(len(idx))[:want]])
+    return np.sort(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
+
+
 def make_partition(
     spec: str, labels: np.ndarray, num_clients: int, seed: int, min_samples: int = 1
 ) -> List[np.ndarray]:
-    """Split indices 0..len(labels)-1 over ``num_clients`` clients following ``spec``."""
+    """Split indices 0..len(labels)-1 over ``num_clients`` clients following ``spec``.
+
+    Under a :func:`server_set_request` the server's base set is taken out first and the
+    rest is partitioned: the result is then a :class:`Partition` with ``server_indices``.
+    """
+    request = _SERVER_REQUEST.get()
+    if request is not None:
+        labels = np.asarray(labels)
+        server = carve_server_set(labels, request, seed)
+        rest = np.setdiff1d(np.arange(len(labels)), server, assume_unique=True)
+        parts = Partition(rest[p] for p in _partition(spec, labels[rest], num_clients, seed, min_samples))
+        parts.server_indices = server
+        served = _SERVED.get()
+        if served is not None:
+            served.append(len(server))
+        return parts
+    return _partition(spec, labels, num_clients, seed, min_samples)
+
+
+def _partition(spec: str, labels: np.ndarray, num_clients: int, seed: int, min_samples: int) -> List[np.ndarray]:
     name, arg = parse_partition(spec)
     labels = np.asarray(labels)
     if num_clients < 1:
@@ -269,3 +364,39 @@ def _mix2fld(labels, n, rng, arg):
     if arg:
         raise ConfigError(f"partition 'mix2fld' takes no argument (it is skewed:2:2:62), got 'mix2fld:{arg}'")
     return _deal_skewed(labels, n, rng, 2, 2, 62, "mix2fld")
+
+
+@register_partition("deficient", ":L1,L2,...:A:B (same minority labels on every client)")
+def _deficient(labels, n, rng, arg):
+    """XorMixFL's devices: every client takes A samples of each listed label and B of every other
+    label (the paper: 2 of the target label, 60 of the others), dealt like ``skewed``."""
+    try:
+        listed, a, b = arg.split(":")
+        minority = sorted({int(v) for v in listed.replace("+", ",").split(",") if v.strip()})
+        a, b = int(a), int(b)
+    except ValueError:
+        raise ConfigError(f"partition 'deficient:{arg}' needs L1,L2,...:A:B (labels every client holds A "
+                          f"samples of, B samples of every other label), e.g. deficient:0,2:2:60")
+    classes = np.unique(labels)
+    missing = [c for c in minority if c not in set(classes.tolist())]
+    if missing:
+        raise ConfigError(f"partition 'deficient:{arg}' names label(s) {missing} the pool does not hold "
+                          f"(its labels: {classes.tolist()})")
+    if a < 0 or b < 0 or (a == 0 and b == 0):
+        raise ConfigError(f"deficient:L:A:B needs non-negative A, B and not A = B = 0, got deficient:{arg}")
+    spec = f"deficient:{arg}"
+    queues = [rng.permutation(np.flatnonzero(labels == cl)) for cl in classes]
+    taken = np.zeros(len(classes), dtype=np.int64)
+    parts: List[np.ndarray] = []
+    for i in range(n):
+        mine = []
+        for j, cl in enumerate(classes):
+            want = a if int(cl) in minority else b
+            if taken[j] + want > len(queues[j]):
+                raise DataError(
+                    f"partition {spec!r}: label {cl} has {len(queues[j])} samples, not enough for client "
+                    f"{i + 1} of {n} (each takes {want}); lower --num-clients or the per-label counts")
+            mine.append(queues[j][taken[j]:taken[j] + want])
+            taken[j] += want
+        parts.append(np.concatenate(mine))
+    return parts

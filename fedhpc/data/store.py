@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from .base import BatchTransform, ClientData, FederatedData, local_split_rng, split_local
 from .formats import open_h5_readonly
 
@@ -59,6 +59,11 @@ class ArrayClients:
     """
 
     def __init__(self, x, y, parts: Sequence[np.ndarray]):
+        if getattr(parts, "server_indices", None) is not None:
+            # A store holds clients only, and its identity (meta) does not include the server
+            # set: writing the carved clients would hand them to later runs without the carve.
+            raise ConfigError("the server's own base set (server_* data options) is kept in memory only and "
+                              "cannot go into an HDF5 client store; add --data-opt store=memory")
         self.x, self.y = x, y
         self.parts = [np.asarray(p, dtype=np.int64) for p in parts]
         self.counts = np.array([len(p) for p in self.parts], dtype=np.int64)

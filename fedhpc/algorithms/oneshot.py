@@ -1,0 +1,524 @@
+"""The one-shot family of the XorMixFL paper (003: XOR Mixup, Shin et al. 2020): shared pieces.
+
+Setting (paper Sec. 3). The server holds an imbalanced base dataset of its own (the
+``server_*`` data options: e.g. 200 samples per label, 10 of each *target* label) and
+devices hold theirs. In the one communication round the server announces its target
+labels and asks the devices for encoded samples of them; it turns what arrives into
+training samples, adds them until every label has as many samples as its largest
+label (balanced), trains the global model on the result with the data-parallel
+:class:`fedhpc.server.trainer.ServerTrainer` (every rank works), and broadcasts it.
+Devices do no local training. The members differ only in what the server adds
+(:meth:`OneShotServer.augmented_set`): nothing (``standalone``), XOR-decoded samples
+(``xormixfl``), mixup samples with soft labels (``mixfl``).
+
+Pieces, as pure functions the tests check against hand computations:
+
+* The uint8 pixel domain (:func:`to_pixels`, :func:`from_pixels`). XOR is bitwise on
+  8-bit pixels (paper Eqs. 2-3), so samples are handled as uint8 from the device's
+  stored data to the server's decoded sample. Image datasets stored as uint8 (MNIST,
+  CIFAR, ...) are used as they are: no float round trip touches a bit. Datasets stored
+  as floats in [0, 1] (the embedded digits, 0..16 / 16) are quantised once with
+  ``round(255 x)`` (exact for uint8-origin data, where x = k / 255) and mapped back with
+  ``p / 255`` only where a sample joins the server's training set.
+* Sample blending (Eq. 1, garbled in the text; authors' code: "averages of 2 images at
+  0.5/0.5" stored as uint8): up to M samples s_1..s_m of one label, drawn without
+  replacement, blended pairwise in draw order, b_1 = s_1, b_k = floor(alpha * b_{k-1} +
+  (1 - alpha) * s_k), computed in float64 and cast back to uint8 by truncation after
+  every step (numpy / TensorFlow ``astype(uint8)`` semantics; for M = 2, alpha = 0.5 it
+  is the authors' truncated average). m = min(M, samples of the label held).
+* XOR encoding (Eq. 2) on the device: e = b(target) XOR b(dummy_1) XOR ... XOR
+  b(dummy_D), the D dummy labels (Table 4's "number of dummy labels") drawn per sample
+  from the non-target labels the device holds. Decoding (Eq. 3) on the server: d = e XOR
+  b'(dummy_1) XOR ... with b' the server's own blends of the same dummy labels. When
+  b' = b the result is b(target) bit for bit; otherwise a synthetic, noisy sample of
+  the target label. Several dummy labels are chained (each XOR is its own inverse):
+  the reading under which Table 3's distance grows with the number of dummy labels.
+* MixFL's vanilla-mixup encoding (the paper's ablation; authors: "fixed 0.5 pixel mix
+  with a 0.5/0.5 soft label"): floor(lam * b(target) + (1 - lam) / D * sum b(dummy_i))
+  with the soft label lam on the target and (1 - lam) / D on each dummy; no decoding.
+* Balancing (:func:`balance_deficits`, :func:`split_requests`): target count = the
+  largest label's count on the server; each target label's deficit is split evenly over
+  the devices that hold the label (in device order, the first ``deficit mod K`` ask
+  one more), or every such device is asked ``requests_per_device`` and the server keeps
+  the first ``deficit`` it decodes, in (device, position) order.
+
+Readings where the text is silent: encoded samples are collected from *every* device
+once, in the first round (the one-shot round); later rounds, if any are run, change
+nothing. Which labels a device holds is announced with the request (label ids, no
+data; not booked). The upload books 1 byte per pixel plus 1 byte per label id; the
+broadcast books the model once per device of the round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..analysis.privacy import audit_raw_leaves, mds_min_distances, pixel_min_distances
+from ..errors import ConfigError, DataError
+from ..server.trainer import ServerTrainConfig, ServerTrainer
+from .base import Algorithm, derive_seed
+
+# --------------------------------------------------------------------------- the uint8 pixel domain
+
+
+def to_pixels(x: torch.Tensor) -> torch.Tensor:
+    """Stored inputs -> uint8 pixels: uint8 as is; floats in [0, 1] as round(255 x)."""
+    if x.dtype == torch.uint8:
+        return x
+    if not x.is_floating_point():
+        raise DataError(f"XOR mixup works on image pixels; got inputs of type {x.dtype} (text?)")
+    lo, hi = (float(x.min()), float(x.max())) if x.numel() else (0.0, 0.0)
+    if lo < 0 or hi > 1:
+        raise DataError(f"float inputs must be raw pixels in [0, 1] to map onto uint8 for XOR mixup; got values "
+                        f"in [{lo:g}, {hi:g}] (a normalised store?)")
+    return torch.round(x.double() * 255).to(torch.uint8)
+
+
+def from_pixels(p: torch.Tensor, like: torch.dtype) -> torch.Tensor:
+    """uint8 pixels -> the dataset's stored form (uint8 stays uint8, floats get p / 255)."""
+    if like == torch.uint8:
+        return p
+    return p.to(torch.float64).div(255).to(like)
+
+
+# --------------------------------------------------------------------------- blending and codecs
+
+
+def blend(samples: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Iterated pairwise blending (Eq. 1) of uint8 samples (m, ...) in order -> one uint8 sample."""
+    if samples.dtype != torch.uint8 or samples.shape[0] < 1:
+        raise DataError(f"blend takes a non-empty uint8 stack of samples, got {samples.dtype} {tuple(samples.shape)}")
+    out = samples[0]
+    for s in samples[1:]:
+        out = (alpha * out.double() + (1 - alpha) * s.double()).floor().clamp(0, 255).to(torch.uint8)
+    return out
+
+
+def draw_blend(pixels: torch.Tensor, members: torch.Tensor, max_blend: int, alpha: float,
+               generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Blend of min(M, len(members)) rows of ``pixels`` drawn without replacement from ``members``.
+
+    Returns (blended sample, the rows used in blending order)."""
+    pick = members[torch.randperm(len(members), generator=generator)[:max_blend]]
+    return blend(pixels[pick], alpha), pick
+
+
+def xor_chain(first: torch.Tensor, others: Sequence[torch.Tensor]) -> torch.Tensor:
+    """first XOR others[0] XOR ...: Eq. 2 (encoding) and Eq. 3 (decoding) alike."""
+    out = first.clone()
+    for o in others:
+        out = torch.bitwise_xor(out, o)
+    return out
+
+
+def mix_encode(target: torch.Tensor, dummies: Sequence[torch.Tensor], lam: float) -> torch.Tensor:
+    """MixFL: floor(lam * target + (1 - lam) / D * sum(dummies)) in uint8."""
+    acc = lam * target.double()
+    for d in dummies:
+        acc = acc + (1 - lam) / len(dummies) * d.double()
+    return acc.floor().clamp(0, 255).to(torch.uint8)
+
+
+# --------------------------------------------------------------------------- balancing
+
+
+def balance_deficits(counts: Sequence[int]) -> Dict[int, int]:
+    """label -> samples it lacks to reach the largest label's count (target labels only)."""
+    counts = [int(c) for c in counts]
+    top = max(counts) if counts else 0
+    return {c: top - n for c, n in enumerate(counts) if n < top}
+
+
+def split_requests(deficit: int, holders: Sequence[int], per_device: int = 0) -> Dict[int, int]:
+    """cid -> encoded samples of one target label asked of it.
+
+    ``per_device`` > 0: that many of every holder; else the deficit split evenly over the
+    holders in device order (the first ``deficit mod K`` holders ask one more)."""
+    holders = sorted(int(c) for c in holders)
+    if not holders or deficit <= 0:
+        return {}
+    if per_device > 0:
+        return {c: per_device for c in holders}
+    q, r = divmod(deficit, len(holders))
+    return {c: q + (1 if i < r else 0) for i, c in enumerate(holders) if q + (1 if i < r else 0) > 0}
+
+
+# --------------------------------------------------------------------------- the upload
+
+
+@dataclass
+class EncodedSet:
+    """Encoded samples with their provenance (uint8 pixels; the device's own rows behind each).
+
+    ``target``: the target label of each sample; ``dummies``: (n, D) its dummy labels;
+    ``owner``/``index``: uploading device and position; ``source_index``: (n, S) rows of
+    the owner's training data blended into it (target rows first), -1 padded;
+    ``soft``: MixFL's soft labels (n, C), None for XOR samples.
+    """
+
+    x: torch.Tensor
+    target: torch.Tensor
+    dummies: torch.Tensor
+    owner: torch.Tensor
+    index: torch.Tensor
+    source_index: torch.Tensor
+    kind: str = "xor"
+    soft: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return int(self.target.shape[0])
+
+    @property
+    def source_cid(self) -> torch.Tensor:
+        """(n, 1): every source of a sample is its owner's (the shape the privacy audit takes)."""
+        return self.owner[:, None]
+
+    def wire_bytes(self) -> int:
+        """8 bits per pixel (as Mix2FLD's b_s) plus one byte per label id (target and dummies)."""
+        return int(self.x.numel()) + len(self) * (1 + int(self.dummies.shape[1]))
+
+    @staticmethod
+    def cat(parts: List["EncodedSet"]) -> "EncodedSet":
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            raise DataError("no device uploaded an encoded sample (no device holds a target label)")
+        width = max(int(p.source_index.shape[1]) for p in parts)
+        pad = [F.pad(p.source_index, (0, width - p.source_index.shape[1]), value=-1) for p in parts]
+        soft = None if parts[0].soft is None else torch.cat([p.soft for p in parts])
+        return EncodedSet(torch.cat([p.x for p in parts]), torch.cat([p.target for p in parts]),
+                          torch.cat([p.dummies for p in parts]), torch.cat([p.owner for p in parts]),
+                          torch.cat([p.index for p in parts]), torch.cat(pad), parts[0].kind, soft)
+
+    def select(self, rows: torch.Tensor) -> "EncodedSet":
+        return EncodedSet(self.x[rows], self.target[rows], self.dummies[rows], self.owner[rows], self.index[rows],
+                          self.source_index[rows], self.kind, None if self.soft is None else self.soft[rows])
+
+
+def encode_device(pixels: torch.Tensor, labels: torch.Tensor, requests: Dict[int, int], targets: Sequence[int],
+                  num_dummy: int, max_blend: int, alpha: float, generator: torch.Generator, cid: int,
+                  kind: str = "xor", lam: float = 0.5, num_classes: int = 0,
+                  dummy_pool: Optional[Sequence[int]] = None) -> EncodedSet:
+    """One device's upload (Alg. 1): ``requests[t]`` encoded samples of each target label t.
+
+    Per sample, in (target label, position) order: the target blend, then D dummy labels
+    (a uniform draw without replacement among the non-target labels the device holds, within
+    ``dummy_pool`` when given, in drawn order), then each dummy's blend, all from ``generator``. ``kind``: "xor" (Eq. 2)
+    or "mix" (MixFL, ratio ``lam``, soft labels over ``num_classes``).
+    """
+    held = set(torch.unique(labels).tolist())
+    allowed = held if dummy_pool is None else held & set(int(d) for d in dummy_pool)
+    candidates = torch.tensor(sorted(allowed - set(int(t) for t in targets)), dtype=torch.long)
+    members = {c: (labels == c).nonzero().flatten() for c in held}
+    xs, tg, dm, src, soft = [], [], [], [], []
+    for t in sorted(requests):
+        if requests[t] <= 0:
+            continue
+        if t not in held:
+            raise DataError(f"device {cid} was asked for samples of label {t}, which it does not hold")
+        if len(candidates) < num_dummy:
+            raise DataError(f"device {cid} holds {len(candidates)} usable non-target label(s) {candidates.tolist()}, "
+                            f"fewer than the {num_dummy} dummy labels each encoded sample needs; lower --num-dummy "
+                            f"or widen --dummy-labels")
+        for _ in range(requests[t]):
+            b_t, rows_t = draw_blend(pixels, members[t], max_blend, alpha, generator)
+            dummy = candidates[torch.randperm(len(candidates), generator=generator)[:num_dummy]]
+            blends, rows = [], [rows_t]
+            for d in dummy.tolist():
+                b_d, rows_d = draw_blend(pixels, members[d], max_blend, alpha, generator)
+                blends.append(b_d)
+                rows.append(rows_d)
+            if kind == "xor":
+                xs.append(xor_chain(b_t, blends))
+            else:
+                xs.append(mix_encode(b_t, blends, lam))
+                y = torch.zeros(num_classes, dtype=torch.float64)
+                y[t] = lam
+                y[dummy] += (1 - lam) / num_dummy
+                soft.append(y)
+            tg.append(t)
+            dm.append(dummy)
+            src.append(torch.cat(rows))
+    n = len(xs)
+    width = max((len(r) for r in src), default=0)
+    return EncodedSet(
+        x=torch.stack(xs) if n else pixels[:0], target=torch.tensor(tg, dtype=torch.long),
+        dummies=torch.stack(dm) if n else torch.zeros(0, num_dummy, dtype=torch.long),
+        owner=torch.full((n,), cid, dtype=torch.long), index=torch.arange(n),
+        source_index=torch.stack([F.pad(r, (0, width - len(r)), value=-1) for r in src]) if n
+        else torch.zeros(0, 0, dtype=torch.long),
+        kind=kind, soft=(torch.stack(soft) if n else torch.zeros(0, num_classes, dtype=torch.float64))
+        if kind == "mix" else None)
+
+
+def xor_decode(encoded: EncodedSet, server_pixels: torch.Tensor, server_labels: torch.Tensor, max_blend: int,
+               alpha: float, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 2: every encoded sample XOR the server's own blends of its dummy labels (Eq. 3).
+
+    Sample by sample in the set's order, each dummy's blend drawn from ``generator`` among
+    the server's samples of that label. Returns (decoded uint8 samples, (n, D * M) server
+    rows used, -1 padded)."""
+    members = {c: (server_labels == c).nonzero().flatten() for c in torch.unique(server_labels).tolist()}
+    out, used = [], []
+    for i in range(len(encoded)):
+        blends, rows = [], []
+        for d in encoded.dummies[i].tolist():
+            if d not in members:
+                raise DataError(f"the server holds no sample of dummy label {d}, so it cannot decode (Eq. 3)")
+            b, r = draw_blend(server_pixels, members[d], max_blend, alpha, generator)
+            blends.append(b)
+            rows.append(r)
+        out.append(xor_chain(encoded.x[i], blends))
+        used.append(torch.cat(rows))
+    width = max((len(r) for r in used), default=0)
+    rows = torch.stack([F.pad(r, (0, width - len(r)), value=-1) for r in used]) if used else torch.zeros(0, 0)
+    return (torch.stack(out) if out else encoded.x[:0]), rows.long()
+
+
+def keep_until_balanced(target: torch.Tensor, deficits: Dict[int, int]) -> torch.Tensor:
+    """Rows to add: the first ``deficits[t]`` samples of each target label t, in the set's order."""
+    keep, taken = [], {t: 0 for t in deficits}
+    for i, t in enumerate(target.tolist()):
+        if taken.get(t, 0) < deficits.get(t, 0):
+            keep.append(i)
+            taken[t] += 1
+    return torch.tensor(keep, dtype=torch.long)
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass
+class ServerTrainingOptions:
+    """How the server trains on its (reconstructed) dataset; the authors: Adam, 100 epochs, batch 256."""
+
+    server_epochs: int = field(default=100, metadata={"help": "passes over the server's dataset (authors: 100)"})
+    server_batch: int = field(default=256, metadata={"help": "server batch size (authors: 256)"})
+    server_lr: float = field(default=0.001, metadata={"help": "server learning rate (Adam's default 1e-3)"})
+    server_optimizer: str = field(default="adam", metadata={"help": "adam (authors) or sgd"})
+    server_momentum: float = field(default=0.0, metadata={"help": "SGD momentum of the server"})
+    server_weight_decay: float = field(default=0.0, metadata={"help": "server L2 weight decay"})
+    server_micro_batch: int = field(default=32, metadata={
+        "help": "samples per micro-batch of the data-parallel server step (fixed: results do not depend on ranks)"})
+
+    def validate(self):
+        self.train_config(1).validate()
+
+    def train_config(self, n: int) -> ServerTrainConfig:
+        return ServerTrainConfig(epochs=self.server_epochs, batch_size=min(self.server_batch, max(n, 1)),
+                                 micro_batch=self.server_micro_batch, lr=self.server_lr,
+                                 optimizer=self.server_optimizer, momentum=self.server_momentum,
+                                 weight_decay=self.server_weight_decay)
+
+
+@dataclass
+class EncodingOptions(ServerTrainingOptions):
+    """The devices' encoding (Table 4's grid: number of dummy labels, alpha, M) and the privacy measure."""
+
+    num_dummy: int = field(default=1, metadata={"help": "dummy labels per encoded sample (Table 4: 1, 2, 3)"})
+    blend_alpha: float = field(default=0.5, metadata={
+        "help": "alpha of the pairwise sample blending, Eq. 1 (Table 4: 0.25, 0.5, 0.95; authors 0.5)"})
+    max_blend: int = field(default=2, metadata={
+        "help": "M: samples blended per label (1 = none; Table 4: 1, 5; authors 2)"})
+    dummy_labels: str = field(default="", metadata={
+        "help": "labels dummies are drawn from, comma separated (Table 4 fixes them); empty = any non-target label"})
+    requests_per_device: int = field(default=0, metadata={
+        "help": "encoded samples asked of every holder per target label (0 = the deficit split evenly)"})
+    privacy_samples: int = field(default=200, metadata={
+        "help": "augmented samples whose privacy (MDS / pixel distance) is measured, a seeded subset (0 = off)"})
+    mds_dims: int = field(default=2, metadata={"help": "dimensions of the classical MDS embedding (Table 3)"})
+
+    def validate(self):
+        super().validate()
+        if self.num_dummy < 1:
+            raise ConfigError(f"--num-dummy must be >= 1, got {self.num_dummy}")
+        if not 0 <= self.blend_alpha <= 1:
+            raise ConfigError(f"--blend-alpha must be in [0, 1], got {self.blend_alpha}")
+        if self.max_blend < 1:
+            raise ConfigError(f"--max-blend must be >= 1 (1 = no blending), got {self.max_blend}")
+        if self.requests_per_device < 0 or self.privacy_samples < 0:
+            raise ConfigError("--requests-per-device and --privacy-samples must be >= 0")
+        if self.mds_dims < 1:
+            raise ConfigError(f"--mds-dims must be >= 1, got {self.mds_dims}")
+        pool = self.dummy_pool()
+        if pool is not None and len(pool) < self.num_dummy:
+            raise ConfigError(f"--dummy-labels {self.dummy_labels!r} lists {len(pool)} label(s), fewer than "
+                              f"--num-dummy {self.num_dummy}; list at least that many")
+
+    def dummy_pool(self) -> Optional[List[int]]:
+        """The labels dummies may come from, or None for any non-target label."""
+        text = str(self.dummy_labels).strip().strip("[]()")
+        if not text:
+            return None
+        try:
+            return sorted({int(v) for v in text.split(",") if v.strip()})
+        except ValueError:
+            raise ConfigError(f"--dummy-labels must be comma-separated integer labels, got {self.dummy_labels!r}")
+
+
+# --------------------------------------------------------------------------- the family's algorithm
+
+
+class OneShotServer(Algorithm):
+    """Standalone's behaviour: the server trains on its own base set once; devices do nothing.
+
+    Subclasses add samples to the server's set (:meth:`augmented_set`). The set is built
+    in the first round's ``round_begin`` (collective: gathers the devices' uploads) and
+    the model trained in that round's ``aggregate``; the global model is the server's.
+    """
+
+    Options = ServerTrainingOptions
+    ledger_kinds = ("parameters", "encoded")
+    #: whether uploads are linear mixes of raw samples (recoverable given one part): the audit's flag
+    linear_mix = False
+
+    def setup(self):
+        self.options = self.options or self.Options()
+        server = self.data.server_data()
+        if server is None:
+            raise ConfigError(f"--algo {self.name} trains on the server's own base set; give it one with "
+                              f"--data-opt server_per_label=N (and server_deficient=L1,L2 "
+                              f"--data-opt server_deficient_count=n for its target labels)")
+        self.server_x, self.server_y = server
+        self.num_classes = self.data.num_classes
+        self.trainer = ServerTrainer(self.comm, self.model, self.flat)
+        self.train_set: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.upload_bytes: Dict[int, int] = {}
+        self.metrics: Dict[str, float] = {}
+
+    # ---------------------------------------------------------------- devices: nothing to train
+    def local_update(self, model, ctx):
+        """One-shot: devices only encode (done once in round_begin); no local training."""
+
+    def upload_spec(self):
+        return {}
+
+    def upload(self, model, ctx):
+        if ctx.round.index == 0 and self.upload_bytes.get(ctx.cid):
+            ctx.ledger.add("up", "encoded", self.upload_bytes[ctx.cid])
+        return {}
+
+    # ---------------------------------------------------------------- the server's set (once)
+    def server_counts(self) -> List[int]:
+        return torch.bincount(self.server_y, minlength=self.num_classes).tolist()
+
+    def augmented_set(self, rnd) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(x in stored form, training targets, target label of each) the server adds to its base
+        set; None for standalone. The label counts balancing is judged by (a MixFL soft label's
+        argmax can be a dummy's at lam = 0.5)."""
+        return None
+
+    def base_targets(self) -> torch.Tensor:
+        return self.server_y
+
+    def round_begin(self, rnd):
+        if rnd.index != 0 or self.train_set is not None:
+            return
+        added = self.augmented_set(rnd)
+        x, y, labels = self.server_x, self.base_targets(), self.server_y
+        if added is not None:
+            x, y = torch.cat([x, added[0].to(x.dtype)]), torch.cat([y, added[1].to(y.dtype)])
+            labels = torch.cat([labels, added[2]])
+        self.train_set = (x, y)
+        counts = torch.bincount(labels, minlength=self.num_classes)
+        self.metrics.update(server_base_samples=float(len(self.server_y)), server_train_samples=float(len(y)),
+                            server_balanced=float(bool((counts == counts.max()).all())))
+        if rnd.index == 0 and self.comm.rank == 0:
+            # devices not sampled in this round uploaded too: booked once here (the ledger is summed)
+            self.ledger.add("up", "encoded", sum(b for c, b in self.upload_bytes.items() if c not in rnd.sampled))
+
+    # ---------------------------------------------------------------- the server trains once
+    def aggregate(self, global_state, totals, weight_total, rnd):
+        if rnd.index != 0:
+            return global_state  # one-shot: the model was trained in the first round
+        x, y = self.train_set
+        self.flat.load_(global_state)
+        fit = self.trainer.fit(x, y, self.options.train_config(len(y)),
+                               seed=derive_seed(self.cfg.seed, "oneshot-server-train"),
+                               transform=self.data.transform)
+        self.metrics["server_train_loss"] = float(fit["loss"])
+        self.train_set = None  # not needed again; a resumed run never rebuilds it
+        return self.flat.flat.detach().clone()
+
+    def extra_metrics(self):
+        return dict(self.metrics)
+
+    def state_dict(self):
+        return {"metrics": dict(self.metrics)}
+
+    def load_state_dict(self, state):
+        self.metrics = dict(state.get("metrics", {}))
+
+
+class EncodedUploads(OneShotServer):
+    """A one-shot server that collects encoded samples of its target labels from every device."""
+
+    Options = EncodingOptions
+    kind = "xor"
+
+    def device_pixels(self, cid: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        c = self.data.client(cid)
+        return to_pixels(c.x), c.y
+
+    def collect(self, rnd) -> Tuple[EncodedSet, Dict[int, int]]:
+        """Alg. 1 on every device (each rank its share), gathered in (device, position) order."""
+        comm, o = self.comm, self.options
+        deficits = balance_deficits(self.server_counts())
+        targets = sorted(deficits)
+        mine = list(range(comm.rank, self.data.num_clients, comm.size))
+        held = {cid: sorted(set(self.data.client(cid).y.tolist()) & set(targets)) for cid in mine}
+        holders: Dict[int, List[int]] = {t: [] for t in targets}
+        for part in comm.all_gather_object(held):
+            for cid, labels in part.items():
+                for t in labels:
+                    holders[t].append(cid)
+        asks = {t: split_requests(deficits[t], holders[t], o.requests_per_device) for t in targets}
+        local = []
+        for cid in mine:
+            req = {t: asks[t].get(cid, 0) for t in targets}
+            if not any(req.values()):
+                continue
+            pixels, labels = self.device_pixels(cid)
+            g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "oneshot-encode", cid))
+            enc = encode_device(pixels, labels, req, targets, o.num_dummy, o.max_blend, o.blend_alpha, g,
+                                cid, kind=self.kind, lam=getattr(o, "mix_lam", 0.5),
+                                num_classes=self.num_classes, dummy_pool=o.dummy_pool())
+            # The audit runs where the device's raw data already is (its hosting rank), so no rank
+            # loads every device; uint8 samples are equal when their distance is below 1.
+            leaked = len(audit_raw_leaves(enc, {cid: pixels}, atol=0.5, rtol=0.0).leaked_rows) if len(enc) else 0
+            local.append((enc, leaked))
+        gathered = [item for part in comm.all_gather_object(local) for item in part]
+        enc = EncodedSet.cat(sorted([e for e, _ in gathered], key=lambda s: int(s.owner[0])))
+        self.metrics.update(uploads_equal_raw=float(sum(n for _, n in gathered)),
+                            upload_linear_mix=float(self.linear_mix))
+        for cid in torch.unique(enc.owner).tolist():
+            self.upload_bytes[cid] = enc.select((enc.owner == cid).nonzero().flatten()).wire_bytes()
+        self.metrics.update(encoded_uploaded=float(len(enc)), target_labels=float(len(targets)))
+        return enc, deficits
+
+    def measure_privacy(self, enc: EncodedSet, augmented: torch.Tensor, kept: torch.Tensor) -> None:
+        """Table 3's distances of the added samples (the raw-leak audit ran in :meth:`collect`).
+
+        ``augmented``: uint8 samples the server adds, rows ``kept`` of ``enc``. Distances are
+        in uint8 pixel units against the owner's rows blended into each (target and dummies),
+        on a seeded subset of ``privacy_samples``; identical on every rank."""
+        o = self.options
+        if o.privacy_samples == 0 or len(kept) == 0:
+            return
+        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "oneshot-privacy"))
+        pick = torch.randperm(len(kept), generator=g)[:o.privacy_samples].sort().values
+        # only the devices behind the measured subset are loaded (every rank computes the same numbers)
+        raw = {cid: self.device_pixels(cid)[0] for cid in torch.unique(enc.owner[kept[pick]]).tolist()}
+        sources = []
+        for i in kept[pick].tolist():
+            rows = enc.source_index[i]
+            sources.append(raw[int(enc.owner[i])][rows[rows >= 0]])
+        samples = augmented[pick]
+        mds = mds_min_distances(samples, sources, dims=o.mds_dims)
+        pix = pixel_min_distances(samples, sources)
+        self.metrics.update(privacy_mds_mean=mds.mean, privacy_mds_std=mds.std,
+                            privacy_pixel_mean=pix.mean, privacy_pixel_std=pix.std,
+                            privacy_samples=float(mds.count))
