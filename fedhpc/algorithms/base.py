@@ -259,12 +259,20 @@ class Algorithm:
         The model in ``self.flat`` is the global one; a device whose last downlink failed
         (channel model) starts from the model it kept instead.
         """
-        if self.channel_active:
-            kept = self.client_state.get_slot(ctx.cid, "device_model")
-            if kept is not None:
-                self.flat.load_(kept)
-                self.client_state.put_slot(ctx.cid, "device_model", None)
+        self.restore_kept_model(ctx)
         ctx.ledger.add("down", "parameters", self.flat.numel * self.flat.flat.element_size())
+
+    def restore_kept_model(self, ctx: ClientContext) -> bool:
+        """With a channel: a device whose last downlink failed starts from the model it kept
+        (loaded into ``self.flat``, the slot emptied). Returns whether it did."""
+        if not self.channel_active:
+            return False
+        kept = self.client_state.get_slot(ctx.cid, "device_model")
+        if kept is None:
+            return False
+        self.flat.load_(kept)
+        self.client_state.put_slot(ctx.cid, "device_model", None)
+        return True
 
     def on_downlink_outage(self, model: nn.Module, ctx: ClientContext) -> None:
         """This round's broadcast did not reach the device: it keeps its local model (Mix2FLD

@@ -50,11 +50,7 @@ class FedBABU(PersonalAlgorithm):
         return {"body": Upload(self.body.numel, "parameters")}
 
     def download(self, ctx):
-        if self.channel_active:  # a device whose last downlink failed keeps its model (base class)
-            kept = self.client_state.get_slot(ctx.cid, "device_model")
-            if kept is not None:
-                self.flat.load_(kept)
-                self.client_state.put_slot(ctx.cid, "device_model", None)
+        self.restore_kept_model(ctx)  # a device whose last downlink failed keeps its model
         ctx.ledger.add("down", "parameters", self.body.numel * self.flat.flat.element_size())
 
     def local_update(self, model, ctx):

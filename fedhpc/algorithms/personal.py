@@ -342,11 +342,7 @@ class PartialAlgorithm(PersonalAlgorithm):
         return {"shared": Upload(self.shared.numel, "parameters")}
 
     def download(self, ctx):
-        if self.channel_active:  # a device whose last downlink failed keeps its model (base class)
-            kept = self.client_state.get_slot(ctx.cid, "device_model")
-            if kept is not None:
-                self.flat.load_(kept)
-                self.client_state.put_slot(ctx.cid, "device_model", None)
+        self.restore_kept_model(ctx)  # a device whose last downlink failed keeps its model
         mine = ctx.load_state()
         if mine is not None:
             self.personal.scatter_(self.flat.flat, mine)

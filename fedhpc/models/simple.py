@@ -9,6 +9,7 @@ from torch import nn
 from ..errors import ConfigError
 
 from . import register_model
+from .vision import ConvBlocksWithHead
 
 
 class MLP(nn.Module):
@@ -74,7 +75,7 @@ def cnn(input_shape, num_classes, width: int = 16, hidden: int = 64, norm: str =
     return SmallCNN(input_shape, num_classes, width, hidden, norm, dropout)
 
 
-class PMixFedDigitsCNN(nn.Module):
+class PMixFedDigitsCNN(ConvBlocksWithHead):
     """pMixFed's "4 convolutional layers (1 block each) and 1 fully connected layer", sized for
     8x8 digits: four 3x3 conv blocks (padding 1, optional BatchNorm, ReLU), a 2x2 max-pool
     after the second and the fourth (8x8 -> 2x2), one linear head. ``layers()`` lists the four
@@ -102,14 +103,6 @@ class PMixFedDigitsCNN(nn.Module):
             raise ConfigError(f"pmixfed_cnn_digits needs inputs of at least 4x4, got {h}x{w}")
         self.head = nn.Sequential(nn.Flatten(), *([nn.Dropout(dropout)] if dropout > 0 else []),
                                   nn.Linear(channels * (h // 4) * (w // 4), num_classes))
-
-    def forward(self, x):
-        for b in self.convs:
-            x = b(x)
-        return self.head(x)
-
-    def layers(self):
-        return [(f"convs.{i}", b) for i, b in enumerate(self.convs)] + [("head", self.head)]
 
 
 @register_model("pmixfed_cnn_digits")

@@ -550,7 +550,23 @@ class ResNet(nn.Module):
 
 
 # --------------------------------------------------------------------------- pMixFed
-class PMixFedCNN(nn.Module):
+class ConvBlocksWithHead(nn.Module):
+    """pMixFed's CNNs: ``convs`` (a ModuleList of conv blocks) then ``head``; ``layers()`` lists
+    the blocks and the head, the "layers" pMixFed mixes and its baselines share or keep."""
+
+    convs: nn.ModuleList
+    head: nn.Module
+
+    def forward(self, x):
+        for b in self.convs:
+            x = b(x)
+        return self.head(x)
+
+    def layers(self):
+        return [(f"convs.{i}", b) for i, b in enumerate(self.convs)] + [("head", self.head)]
+
+
+class PMixFedCNN(ConvBlocksWithHead):
     """pMixFed's CIFAR CNN: "4 convolutional layers (1 block each) and 1 fully connected layer".
 
     The paper gives no channel sizes; it follows the setup of FedBABU [33],
@@ -580,14 +596,6 @@ class PMixFedCNN(nn.Module):
         _require_positive("the fourth pool's output", min(h, w), input_shape)
         self.convs = nn.ModuleList(blocks)
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(channels * h * w, num_classes))
-
-    def forward(self, x):
-        for b in self.convs:
-            x = b(x)
-        return self.head(x)
-
-    def layers(self):
-        return [(f"convs.{i}", b) for i, b in enumerate(self.convs)] + [("head", self.head)]
 
 
 class PMixFedCNNMnist(nn.Module):
