@@ -56,6 +56,7 @@ class RunConfig:
     lr_decay: float = field(default=1.0, metadata={"help": "client lr multiplied by this every round (FedMix: 0.999)"})
     optimizer: str = field(default="sgd", metadata={"help": "local optimizer: sgd | adam"})
     momentum: float = field(default=0.0, metadata={"help": "SGD momentum (reset every round, as clients are stateless)"})
+    nesterov: bool = field(default=False, metadata={"help": "Nesterov momentum for the local SGD (the FedAlign authors' code); needs --momentum > 0"})
     weight_decay: float = field(default=0.0, metadata={"help": "local weight decay"})
     grad_clip: float = field(default=0.0, metadata={"help": "clip local gradient norm to this (0 = off)"})
     client_test_fraction: float = field(default=0.2, metadata={"help": "share of each client's data kept as its local test split"})
@@ -111,6 +112,8 @@ class RunConfig:
         need(0 < self.lr_decay <= 1, f"--lr-decay must be in (0, 1], got {self.lr_decay}")
         need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
         need(0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
+        need(not self.nesterov or (self.optimizer == "sgd" and self.momentum > 0),
+             f"--nesterov needs --optimizer sgd and --momentum > 0 (got {self.optimizer}, momentum {self.momentum})")
         need(self.weight_decay >= 0, f"--weight-decay must be non-negative, got {self.weight_decay}")
         need(self.grad_clip >= 0, f"--grad-clip must be non-negative (0 = off), got {self.grad_clip}")
         need(0 <= self.client_test_fraction < 1, f"--client-test-fraction must be in [0, 1), got {self.client_test_fraction}")
@@ -141,6 +144,8 @@ class RunConfig:
 
         ident = {k: getattr(self, k) for k in self.IDENTITY}
         ident["partition_rules"] = PARTITION_RULES  # the same spec string may have meant another split
+        if self.nesterov:  # only when set, so checkpoints written before the option still resume
+            ident["nesterov"] = True
         return json.loads(json.dumps(ident, default=str))
 
 

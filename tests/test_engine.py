@@ -246,3 +246,36 @@ def test_full_participation_with_cold_start_clients_samples_every_training_clien
     from fedhpc.errors import ConfigError
     with pytest.raises(ConfigError, match="cold-start"):
         make_engine(num_clients=10, clients_per_round=9, rounds=1, cold_start_fraction=0.2)
+
+
+def test_nesterov_momentum_is_the_hand_written_update():
+    """--nesterov: v <- mu v + g (+ wd p); p <- p - lr (g + mu v), by hand on one client's steps."""
+    lr, mu, wd, bs, seed = 0.05, 0.9, 1e-3, 16, 3
+    eng = make_engine(num_clients=1, clients_per_round=1, rounds=1, lr=lr, momentum=mu, nesterov=True,
+                      weight_decay=wd, batch_size=bs, seed=seed, client_test_fraction=0.0)
+    data = eng.data.client(0)
+    eng.run()
+    torch.manual_seed(derive_seed(seed, "init"))
+    model = build_model("mlp", eng.data.input_shape, 10)
+    params = list(model.parameters())
+    bufs = [torch.zeros_like(p) for p in params]
+    g = torch.Generator().manual_seed(derive_seed(seed, "batches", 0, 0, 0))
+    perm = torch.randperm(data.num_train, generator=g)
+    for s in range(0, data.num_train, bs):
+        idx = perm[s:s + bs]
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(data.x[idx]), data.y[idx]), params)
+        with torch.no_grad():
+            for p, gr, v in zip(params, grads, bufs):
+                d = gr + wd * p
+                v.mul_(mu).add_(d)
+                p.sub_(lr * (d + mu * v))
+    hand = torch.cat([p.detach().reshape(-1) for p in params])
+    assert torch.allclose(eng.global_state[: hand.numel()], hand, atol=1e-6, rtol=0)
+    # and it is not plain momentum
+    plain = make_engine(num_clients=1, clients_per_round=1, rounds=1, lr=lr, momentum=mu, weight_decay=wd,
+                        batch_size=bs, seed=seed, client_test_fraction=0.0)
+    plain.run()
+    assert (plain.global_state - eng.global_state).abs().max() > 1e-4
+    from fedhpc.errors import ConfigError
+    with pytest.raises(ConfigError, match="nesterov"):
+        make_engine(nesterov=True, momentum=0.0)

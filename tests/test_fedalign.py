@@ -410,7 +410,7 @@ def test_launch_configs_hold_the_papers_settings():
     main = parse_args(["--config", os.path.join(here, "fedalign_cifar100.yaml")])[0]
     assert (main.algo, main.dataset, main.model, main.partition) == ("fedalign", "cifar100", "resnet56", "dirichlet:0.5")
     assert (main.num_clients, main.clients_per_round, main.rounds, main.local_epochs, main.batch_size) == (16, 16, 25, 20, 64)
-    assert (main.lr, main.momentum, main.weight_decay, main.optimizer) == (0.01, 0.9, 1e-4, "sgd")
+    assert (main.lr, main.momentum, main.weight_decay, main.optimizer, main.nesterov) == (0.01, 0.9, 1e-4, "sgd", True)
     assert main.algo_options["mu"] == 0.45 and main.algo_options["width"] == 0.25
     c10 = parse_args(["--config", os.path.join(here, "fedalign_cifar10.yaml")])[0]
     inet = parse_args(["--config", os.path.join(here, "fedalign_imagenet200.yaml")])[0]

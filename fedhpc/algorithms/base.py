@@ -216,7 +216,7 @@ class Algorithm:
                 self._optimizer = torch.optim.Adam(model.parameters(), lr=ctx.lr, weight_decay=cfg.weight_decay)
             else:
                 self._optimizer = torch.optim.SGD(model.parameters(), lr=ctx.lr, momentum=cfg.momentum,
-                                                  weight_decay=cfg.weight_decay)
+                                                  nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
         opt = self._optimizer
         opt.state.clear()
         for group in opt.param_groups:

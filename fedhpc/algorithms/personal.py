@@ -187,7 +187,7 @@ def fresh_optimizer(cfg, params: Sequence[torch.Tensor], lr: float) -> torch.opt
     params = list(params)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
 
 
 @contextlib.contextmanager
