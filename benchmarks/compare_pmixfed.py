@@ -17,7 +17,7 @@ participation gap; and per-method copies of the paper configurations for a clust
    number; FedAlt and FedSim "report the highest accuracy achieved", App. 10.1, hence
    ``stat: best``), ready for ``python -m fedhpc.sweep`` / SLURM. Writes nothing else.
 
-    python benchmarks/compare_pmixfed.py [--seeds 0 1 2] [--parallel 2] [--workdir /tmp/cmp_pmixfed]
+    python benchmarks/compare_pmixfed.py [--seeds 0 1 2] [--parallel 2] [--workdir runs/compare_pmixfed]
     python benchmarks/compare_pmixfed.py --paper-configs runs/pmixfed_configs
 """
 
@@ -142,7 +142,7 @@ def main():
     ap.add_argument("--clients-per-round", type=int, default=8, help="all 8 training clients (C = 100%%)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--parallel", type=int, default=2)
-    ap.add_argument("--workdir", default="/tmp/cmp_pmixfed")
+    ap.add_argument("--workdir", default=os.path.join(REPO, "runs", "compare_pmixfed"))
     ap.add_argument("--paper-configs", metavar="DIR", help="write per-method copies of the paper configs and stop")
     args = ap.parse_args()
     if args.paper_configs:
