@@ -7,6 +7,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <ATen/Parallel.h>
+#include <mutex>
+#include <set>
+
 // FEDHPC_SOURCES_HASH: hex digest of csrc/ given unquoted by the build (quotes do not survive
 // every shell between setup.py, ninja and the compiler), turned into a string here.
 #ifndef FEDHPC_SOURCES_HASH
@@ -205,6 +209,20 @@ Tensor segment_mix(const Tensor& a_, const Tensor& b_, const Tensor& offsets_, c
 
 }  // namespace fedhpc
 
+namespace {
+// How many threads at::parallel_for really used for 64 one-element tasks: a build without
+// OpenMP compiles the pragma away and answers 1 whatever torch.get_num_threads() says.
+int64_t parallel_threads() {
+  std::mutex lock;
+  std::set<int> seen;
+  at::parallel_for(0, 64, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> guard(lock);
+    seen.insert(at::get_thread_num());
+  });
+  return static_cast<int64_t>(seen.size());
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fedhpc native ops: fused FedMix mixing / l3 and segmented mixup (see fedhpc.ops)";
   m.attr("abi_version") = fedhpc::kAbiVersion;
@@ -217,5 +235,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mix_backward", &fedhpc::mix_backward, "transpose of mix_forward");
   m.def("l3_forward", &fedhpc::l3_forward, "s_i = l <g_i, xbar_i>");
   m.def("l3_backward", &fedhpc::l3_backward, "grad_g, grad_xbar of l3_forward");
+  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for used for 64 tasks (1 = built without OpenMP)");
   m.def("segment_mix", &fedhpc::segment_mix, "out = l_seg a + (1 - l_seg) b, in place into out");
 }

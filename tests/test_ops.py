@@ -254,6 +254,20 @@ def test_segment_mix_rejects_bad_input():
             ops.segment_mix(buf[:, :5], b, off, torch.rand(2), out=buf[:, 1:])
 
 
+def test_the_cpu_kernels_really_run_on_several_threads():
+    """at::parallel_for is an OpenMP pragma in torch's headers: built without -fopenmp the
+    kernels silently ran on one thread (2 threads gained nothing in benchmarks/bench_ops.py)."""
+    native_or_skip()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert ops.native().module.parallel_threads() == 2
+        torch.set_num_threads(1)
+        assert ops.native().module.parallel_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_results_do_not_depend_on_the_thread_count():
     native_or_skip()
     gen = torch.Generator().manual_seed(4)

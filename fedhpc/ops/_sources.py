@@ -23,7 +23,10 @@ HEADERS = ["fedhpc_ops.h", "cuda/mix_kernels.cuh"]
 # -ffp-contract=off: no a*b + c*d -> FMA, so elementwise results stay bit-identical to PyTorch's
 # separate kernels whatever -march a user adds. No -march=native: a build on a login node must
 # run on every compute node.
-CXX_FLAGS = ["-O3", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without the flag the
+# compiler drops it and every kernel runs on one thread (it did: 2 threads gained nothing).
+CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+LD_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++17"]
 
 
@@ -37,12 +40,14 @@ def paths(rel: List[str]) -> List[str]:
 
 
 def sources_hash() -> str:
-    """SHA-256 (16 hex digits) of every native source and header, path by path.
+    """SHA-256 (16 hex digits) of the compiler flags and every native source and header.
 
     Baked into the built module (-DFEDHPC_SOURCES_HASH) so the loader can tell a prebuilt
     extension made from older sources and rebuild instead of running stale kernels.
     """
     h = hashlib.sha256()
+    # the flags too: a module built with other flags (e.g. without OpenMP) is stale as well
+    h.update(" ".join(CXX_FLAGS + LD_FLAGS + NVCC_FLAGS).encode() + b"\0")
     for rel in sorted(CPU_SOURCES + CUDA_SOURCES + HEADERS):
         h.update(rel.encode() + b"\0")
         with open(os.path.join(CSRC, rel), "rb") as f:
