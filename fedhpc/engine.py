@@ -108,6 +108,9 @@ class Engine:
         self.client_state = ClientStateStore(world, int(cfg.client_state_budget_mb * 2**20), spill)
         self.algo = algo_cls(cfg, algo_options, self.model, self.flat, self.data, world, self.client_state)
         self.algo.setup()
+        if cfg.clients_at_once > 1:  # refuse what the batched path cannot train exactly, before any round
+            from .batched import check_batchable
+            check_batchable(self.algo, self.model, cfg)
 
         # The channel model (Mix2FLD Sec. II-C): per device and round, seeded; "none" lets
         # everything through. Downlink outages leave devices on their own models, which the
@@ -175,15 +178,7 @@ class Engine:
         nonfinite: List[int] = []
         position = {cid: i for i, cid in enumerate(sampled)}
         self.model.train()
-        for cid in mine:
-            c0 = time.perf_counter()
-            client = self._to_device(self.data.client(cid))
-            seed_torch(derive_seed(cfg.seed, "client", t, cid), world.device)  # dropout etc.
-            self.flat.load_(self.global_state)
-            ctx = ClientContext(algo, cid, client, rnd)
-            traffic_before = algo.ledger.values.clone() if self.channel_active else None
-            algo.download(ctx)
-            algo.local_update(self.model, ctx)
+        for cid, ctx, traffic_before, c0 in self._trained_clients(rnd, mine):
             loss_sum = float(ctx.loss_sum)  # one device sync per client
             if not math.isfinite(loss_sum):
                 nonfinite.append(cid)
@@ -254,6 +249,26 @@ class Engine:
         if buf[self._slot("stop")] > 0:
             metrics["stop"] = True
         return metrics
+
+    def _trained_clients(self, rnd: RoundInfo, mine: List[int]):
+        """This rank's clients trained, in order: yields ``(cid, ctx, traffic_before, c0)`` with
+        ``self.model`` holding the client's trained weights. One after another, or
+        ``--clients-at-once`` K at a time as one batched model (:mod:`fedhpc.batched`)."""
+        cfg, algo = self.cfg, self.algo
+        if cfg.clients_at_once > 1:
+            from .batched import train_in_groups
+            yield from train_in_groups(self, rnd, mine, cfg.clients_at_once)
+            return
+        for cid in mine:
+            c0 = time.perf_counter()
+            client = self._to_device(self.data.client(cid))
+            seed_torch(derive_seed(cfg.seed, "client", rnd.index, cid), self.world.device)  # dropout etc.
+            self.flat.load_(self.global_state)
+            ctx = ClientContext(algo, cid, client, rnd)
+            traffic_before = algo.ledger.values.clone() if self.channel_active else None
+            algo.download(ctx)
+            algo.local_update(self.model, ctx)
+            yield cid, ctx, traffic_before, c0
 
     def _wire_bytes(self, name: str, tensor: torch.Tensor) -> float:
         spec = self.uploads[name][1]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batched import weighted_task_loss
 from ..errors import ConfigError
 from . import ALGORITHMS, register_algorithm
 from .base import Algorithm
@@ -35,6 +36,12 @@ class FedAvg(Algorithm):
     """Federated averaging: weighted mean of the clients' models (also --algo fl)."""
 
     Options = FedAvgOptions
+    #: plain SGD steps on the task loss: --clients-at-once > 1 may train clients together
+    batchable = True
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K clients at once (fedhpc.batched): each client's batch-mean CE."""
+        return weighted_task_loss(group.forward(x), y, weight)
 
     def setup(self):
         self.options = self.options or FedAvgOptions()

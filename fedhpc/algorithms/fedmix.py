@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import register_algorithm
-from .mixing import fedmix_loss
+from .mixing import batched_fedmix_loss, fedmix_loss
 from .naivemix import NaiveMix, NaiveMixOptions
 
 
@@ -38,6 +38,11 @@ class FedMix(NaiveMix):
     """MAFL FedMix (Alg. 2): first-order approximation of global mixup from mean data."""
 
     Options = FedMixOptions
+    #: its own opt-in: mix_loss differs from NaiveMix's, so batched_mix_loss must too
+    batchable = True
 
     def mix_loss(self, f, x, y, xbar, ybar, lam):
         return fedmix_loss(f, x, y, xbar, ybar, lam)
+
+    def batched_mix_loss(self, forward, x, y, xbar, ybar, lam, weight):
+        return batched_fedmix_loss(forward, x, y, xbar, ybar, lam, weight)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batched import proximal_terms, weighted_task_loss
 from ..errors import ConfigError
 from . import register_algorithm
 from .base import Algorithm
@@ -44,9 +45,15 @@ class FedProx(Algorithm):
     """FedAvg with a proximal term (mu/2)||w - w_global||^2 in the local loss."""
 
     Options = FedProxOptions
+    batchable = True
 
     def setup(self):
         self.options = self.options or FedProxOptions()
 
     def loss(self, model, x, y, ctx):
         return add_proximal_term(super().loss(model, x, y, ctx), self, model, self.options.mu)
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K clients at once (fedhpc.batched): CE + (mu/2)||w_k - w_global||^2 per client."""
+        return weighted_task_loss(group.forward(x), y, weight) + proximal_terms(group, self.global_state,
+                                                                              self.options.mu)

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..batched import proximal_terms
 from ..errors import ConfigError
 from . import register_algorithm
 from .base import Algorithm, derive_seed
 from .fedprox import add_proximal_term
-from .mixing import MixSpace, mixup_loss
+from .mixing import MixSpace, batched_mixup_loss, mixup_loss
 
 
 @dataclass
@@ -56,6 +57,8 @@ class LocalMix(Algorithm):
     """FedAvg with mixup within each client's local data (FedMix paper baseline)."""
 
     Options = LocalMixOptions
+    #: plain SGD steps on ``loss``; batched_loss is the same loss for K clients (fedhpc.batched)
+    batchable = True
 
     def setup(self):
         self.options = self.options or LocalMixOptions()
@@ -70,3 +73,28 @@ class LocalMix(Algorithm):
         yin = self.space.labels(y, xin.dtype if xin.is_floating_point() else torch.float32)
         loss = mixup_loss(self.space.f(model), xin, yin, xin[perm], yin[perm], lam)
         return add_proximal_term(loss, self, model, self.options.prox_mu)
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K clients (fedhpc.batched): each active client draws its permutation of
+        its real rows and its lambda from its own streams, in the order ``loss`` draws them;
+        padded rows map to themselves (weight 0, so they contribute nothing)."""
+        k, b = x.shape[0], x.shape[1]
+        perm = torch.arange(b, device=x.device).repeat(k, 1)
+        lam = torch.zeros(k, dtype=torch.float64)
+        for i, ctx in enumerate(group.ctxs):
+            if not group.active[i]:
+                continue
+            gen = ctx.extra.setdefault("perm_gen", ctx.generator("local_mix"))
+            n = group.real[i]
+            perm[i, :n] = torch.randperm(n, generator=gen).to(x.device)
+            lam[i] = draw_lambda(ctx, self.options)
+        yin = self.space.labels(y, x.dtype)
+        x2 = torch.gather(x, 1, perm.view((k, b) + (1,) * (x.dim() - 2)).expand_as(x))
+        y2 = torch.gather(yin, 1, perm.unsqueeze(-1).expand_as(yin))
+        lam = lam.to(x.device)
+        if self.options.mix_alpha <= 0:
+            lam = self.options.lam  # a float, exactly as loss uses it
+        loss = batched_mixup_loss(group.forward, x, yin, x2, y2, lam, weight)
+        if self.options.prox_mu == 0:
+            return loss
+        return loss + proximal_terms(group, self.global_state, self.options.prox_mu)

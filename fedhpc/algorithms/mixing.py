@@ -96,6 +96,47 @@ def global_mixup_loss(f: Model, x, y, xs, ys, lam: float) -> torch.Tensor:
     return soft_loss(f(xm.reshape((b * m,) + tuple(x.shape[1:]))), ym.reshape((b * m,) + tuple(y.shape[1:])))
 
 
+# --------------------------------------------------------------------------- K clients at once
+# The same losses for fedhpc.batched: inputs (K, B, ...), soft labels (K, B, C), ``forward``
+# maps (K, B, ...) to (K, B, C) through each client's own weights, ``weight`` (K, B) holds
+# 1/n_real on a client's real rows and 0 on padding, and each returns the K per-client losses.
+# ``lam`` is a float or a (K,) tensor (LocalMix's Beta draws, one per client).
+
+def _per_client(lam, like: torch.Tensor):
+    """``lam`` broadcastable against ``like`` (K, B, ...): a float stays a float."""
+    if not isinstance(lam, torch.Tensor):
+        return lam
+    return lam.to(like.dtype).view((-1,) + (1,) * (like.dim() - 1))
+
+
+def _weighted_soft_ce(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_i weight_i * CE(logp_i, target_i) per client (K,): the batch mean over real rows."""
+    return (-(target * logp).sum(-1) * weight).sum(1)
+
+
+def batched_mixup_loss(forward, x1, y1, x2, y2, lam, weight) -> torch.Tensor:
+    """:func:`mixup_loss` for K clients (x2, y2 with 1 or B rows per client)."""
+    lx = _per_client(lam, x1)
+    logp = F.log_softmax(forward((1 - lx) * x1 + lx * x2), dim=-1)
+    lk = lam if not isinstance(lam, torch.Tensor) else lam.to(logp.dtype)
+    return (1 - lk) * _weighted_soft_ce(logp, y1, weight) + lk * _weighted_soft_ce(logp, y2, weight)
+
+
+def batched_fedmix_loss(forward, x, y, xbar, ybar, lam: float, weight) -> torch.Tensor:
+    """:func:`fedmix_loss` for K clients: l1 + l2 against the mixed label, and l3 from the
+    input gradient of each client's own weighted CE. Summing the K CEs before differentiating
+    changes nothing: client k's CE depends on x'_k only. Padded rows have weight 0, so their
+    input gradient, hence their l3 share, is 0: l3 is the sum over the real rows as in Eq. 5."""
+    xp = ((1 - lam) * x).detach().requires_grad_(True)
+    ymix = (1 - lam) * y + lam * ybar
+    logp = F.log_softmax(forward(xp), dim=-1)
+    ce = _weighted_soft_ce(logp, y, weight)
+    l12 = _weighted_soft_ce(logp, ymix, weight)
+    (dx,) = torch.autograd.grad(ce.sum(), xp, create_graph=True)
+    l3 = lam * (dx * xbar).flatten(2).sum(2).sum(1)
+    return l12 + l3
+
+
 # --------------------------------------------------------------------------- where mixing happens
 
 class MixSpace:

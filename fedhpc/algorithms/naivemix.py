@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..batched import proximal_terms, weighted_task_loss
 from ..errors import ConfigError
 from ..exchanges.mean_data import MeanDataExchange, MeanDataOptions
 from . import register_algorithm
 from .base import Algorithm, task_loss
 from .fedprox import add_proximal_term
-from .mixing import MixSpace, naivemix_loss
+from .mixing import MixSpace, batched_mixup_loss, naivemix_loss, one_hot
 
 
 @dataclass
@@ -66,6 +67,8 @@ class NaiveMix(Algorithm):
 
     Options = NaiveMixOptions
     ledger_kinds = ("parameters", "mean_data")
+    #: plain SGD steps on ``loss``; batched_loss is the same loss for K clients (fedhpc.batched)
+    batchable = True
 
     def setup(self):
         self.options = self.options or self.Options()
@@ -100,3 +103,45 @@ class NaiveMix(Algorithm):
             yin = self.space.labels(y, xbar.dtype)
             loss = self.mix_loss(self.space.f(model), xin, yin, xbar, ybar, self.options.lam)
         return add_proximal_term(loss, self, model, self.options.prox_mu)
+
+    # ------------------------------------------------------------ K clients at once (fedhpc.batched)
+    def batched_mix_loss(self, forward, x, y, xbar, ybar, lam, weight):
+        """``mix_loss`` for K clients (K,): inputs (K, B, ...), soft labels (K, B, C), means with
+        1 or B rows per client, ``weight`` (K, B) the per-row weights (1/n_real, 0 on padding)."""
+        return batched_mixup_loss(forward, x, y, xbar, ybar, lam, weight)
+
+    def batched_means(self, group, x):
+        """Each active client's draw of mean entries for this step, from its own stream, as
+        ``loss`` draws them: (K, n, ...) inputs, (K, n, C) labels (n = 1, or B per sample) and,
+        per client, whether it had any entry to draw from. Inactive clients draw nothing."""
+        k, b = x.shape[0], x.shape[1]
+        rows = 1 if self.options.select == "batch" else b
+        xbar = torch.zeros((k, rows) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+        ybar = torch.zeros((k, rows, self.data.num_classes), dtype=x.dtype, device=x.device)
+        has = [False] * k
+        for i, ctx in enumerate(group.ctxs):
+            means = ctx.extra["means"]
+            if not group.active[i] or len(means) == 0:
+                continue
+            n = 1 if self.options.select == "batch" else group.real[i]
+            pick = torch.randint(len(means), (n,), generator=ctx.extra["select_gen"])
+            xsel, ysel = means.take(pick)
+            xbar[i, :n] = xsel.to(x.device, x.dtype)
+            ybar[i, :n] = ysel.to(x.device, x.dtype)
+            has[i] = True
+        return xbar, ybar, has
+
+    def batched_loss(self, group, x, y, weight):
+        if self.options.lam == 0:
+            loss = weighted_task_loss(group.forward(x), y, weight)
+        else:
+            xbar, ybar, has = self.batched_means(group, x)
+            yin = one_hot(y, self.data.num_classes, x.dtype)
+            loss = self.batched_mix_loss(group.forward, x, yin, xbar, ybar, self.options.lam, weight)
+            if any(a and not h for a, h in zip(group.active, has)):
+                # a client with nothing external to mix with trains on CE, as in loss
+                has_t = torch.tensor(has, device=x.device)
+                loss = torch.where(has_t, loss, weighted_task_loss(group.forward(x), y, weight))
+        if self.options.prox_mu == 0:
+            return loss
+        return loss + proximal_terms(group, self.global_state, self.options.prox_mu)

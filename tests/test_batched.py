@@ -1,0 +1,487 @@
+"""Several clients trained at once (fedhpc.batched) equal the sequential path, client by client.
+
+The sequential path (``Algorithm.local_update`` one client after another, what
+``Engine.run_round`` runs) is the reference: every batchable algorithm, on clients of
+unequal sizes (different step counts, short last batches), with SGD momentum and weight
+decay, must give each client the same trained weights and training loss within float32
+rounding. The pieces are checked on their own too: the stacked optimizer against
+``torch.optim.SGD`` row by row, a masked-out step, padding, and the batched FedMix loss
+against :func:`fedhpc.algorithms.mixing.fedmix_loss` on each client's unpadded batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedhpc.algorithms import ALGORITHMS, ClientContext, RoundInfo, load_algorithm_modules
+from fedhpc.algorithms.base import derive_seed, seed_torch
+from fedhpc.algorithms.fedavg import FedAvg
+from fedhpc.algorithms.mixing import batched_fedmix_loss, fedmix_loss, one_hot
+from fedhpc.batched import (StackedSGD, check_batchable, epoch_batches, train_in_groups,
+                            weighted_task_loss)
+from fedhpc.config import RunConfig, build_options
+from fedhpc.engine import Engine, sample_clients
+from fedhpc.errors import ConfigError
+from fedhpc.world import World
+
+TOL = 1e-5  # float32: the batched kernels sum in another order than the sequential ones
+
+#: clients of unequal sizes (Dirichlet 0.5), 2 epochs, momentum + weight decay, 6 clients in
+#: groups of 4 and 2, batch 16 (most clients end an epoch on a short batch)
+BASE = dict(num_clients=8, clients_per_round=6, partition="dirichlet:0.5", batch_size=16, momentum=0.9,
+            weight_decay=1e-3, local_epochs=2, lr=0.05, seed=3, model="mlp", model_options={"hidden": 32})
+ALGO_OPTIONS = {
+    "fedavg": {},
+    "fedprox": {"mu": 0.5},
+    "naivemix": {"lam": 0.2, "prox_mu": 0.1},
+    "fedmix": {"lam": 0.2},
+    "localmix": {"mix_alpha": 0.5, "prox_mu": 0.1},
+}
+
+
+def make_engine(algo="fedavg", algo_options=None, **kw):
+    cfg = RunConfig(**{"quiet": True, "tensorboard": False, "algo": algo, **BASE, **kw})
+    cfg.validate()
+    load_algorithm_modules()
+    opts = build_options(ALGORITHMS.get(algo).Options, algo_options or {}, algo)
+    return Engine(cfg, opts, None, World(threads=1))
+
+
+def round_info(eng, t):
+    cfg = eng.cfg
+    sampled = sample_clients(cfg.seed, t, eng.data.num_clients, cfg.clients_per_round)
+    rnd = RoundInfo(t, sampled, sampled, cfg.lr * cfg.lr_decay ** t)
+    eng.algo.global_state = eng.global_state
+    eng.algo.ledger.reset()
+    eng.algo.round_begin(rnd)
+    eng.model.train()
+    return rnd
+
+
+def sequential_clients(eng, t):
+    """cid -> (trained flat state, loss sum, samples), the engine's loop body one client at a time."""
+    cfg, algo, rnd = eng.cfg, eng.algo, round_info(eng, t)
+    out = {}
+    for cid in rnd.my_clients:
+        seed_torch(derive_seed(cfg.seed, "client", t, cid))
+        eng.flat.load_(eng.global_state)
+        ctx = ClientContext(algo, cid, eng.data.client(cid), rnd)
+        algo.download(ctx)
+        algo.local_update(eng.model, ctx)
+        out[cid] = (eng.flat.flat.clone(), float(ctx.loss_sum), ctx.samples)
+    return out
+
+
+def batched_clients(eng, t, k):
+    check_batchable(eng.algo, eng.model, eng.cfg)
+    rnd = round_info(eng, t)
+    return {cid: (eng.flat.flat.clone(), float(ctx.loss_sum), ctx.samples)
+            for cid, ctx, _, _ in train_in_groups(eng, rnd, rnd.my_clients, k)}
+
+
+def assert_same_clients(seq, bat, start):
+    assert list(seq) == list(bat), "clients must come back in the sequential order"
+    for cid in seq:
+        diff = float((seq[cid][0] - bat[cid][0]).abs().max())
+        assert diff <= TOL, f"client {cid}: batched weights differ from sequential by {diff:.2e}"
+        assert seq[cid][2] == bat[cid][2]
+        assert abs(seq[cid][1] - bat[cid][1]) <= TOL * max(1.0, abs(seq[cid][1]))
+        # the check means something only if the client actually trained
+        assert float((seq[cid][0] - start).abs().max()) > 1e-2
+
+
+def steps_per_epoch(eng, cids):
+    bs = eng.cfg.batch_size
+    return [-(-int(eng.data.client(c).num_train) // bs) for c in cids]
+
+
+@pytest.mark.parametrize("algo", list(ALGO_OPTIONS))
+def test_batched_clients_equal_sequential(algo):
+    seq_eng = make_engine(algo, ALGO_OPTIONS[algo])
+    start = seq_eng.global_state.clone()
+    sampled = sample_clients(BASE["seed"], 0, BASE["num_clients"], BASE["clients_per_round"])
+    steps = steps_per_epoch(seq_eng, sampled)
+    sizes = [int(seq_eng.data.client(c).num_train) for c in sampled]
+    assert len(set(steps)) > 1, "the check needs clients with different numbers of steps"
+    assert any(n % BASE["batch_size"] for n in sizes), "the check needs short last batches"
+    seq = sequential_clients(seq_eng, 0)
+    bat = batched_clients(make_engine(algo, ALGO_OPTIONS[algo]), 0, 4)
+    assert_same_clients(seq, bat, start)
+
+
+@pytest.mark.parametrize("algo,options", [("fedmix", {"lam": 0.2, "select": "sample"}),
+                                          ("naivemix", {"lam": 0.2, "select": "sample", "mean_batch": 20}),
+                                          ("localmix", {"lam": 0.3}),
+                                          ("naivemix", {"lam": 0.0, "prox_mu": 0.1})])
+def test_batched_mixing_variants_equal_sequential(algo, options):
+    """One mean entry per sample (padded rows draw nothing), mean batches, LocalMix's fixed lambda,
+    NaiveMix with lambda 0 (plain CE + the proximal term)."""
+    start = make_engine(algo, options).global_state.clone()
+    seq = sequential_clients(make_engine(algo, options), 0)
+    bat = batched_clients(make_engine(algo, options), 0, 3)
+    assert_same_clients(seq, bat, start)
+
+
+class _NoMeans:
+    """A client that received no mean entry (nothing external to mix with)."""
+
+    def __len__(self):
+        return 0
+
+    def take(self, index):
+        raise AssertionError("a client without means must not draw")
+
+
+def _without_means_for(eng, cid):
+    download = eng.algo.download
+
+    def patched(ctx):
+        download(ctx)
+        if ctx.cid == cid:
+            ctx.extra["means"] = _NoMeans()
+    eng.algo.download = patched
+    return eng
+
+
+def test_a_client_without_means_trains_on_plain_ce_in_its_group():
+    """NaiveMix's fallback (no external entry: plain CE), for one client of a batched group."""
+    cid = sample_clients(BASE["seed"], 0, BASE["num_clients"], BASE["clients_per_round"])[1]
+    opts = {"lam": 0.2}
+    start = make_engine("naivemix", opts).global_state.clone()
+    seq = sequential_clients(_without_means_for(make_engine("naivemix", opts), cid), 0)
+    bat = batched_clients(_without_means_for(make_engine("naivemix", opts), cid), 0, 4)
+    assert_same_clients(seq, bat, start)
+
+
+@pytest.mark.parametrize("k", [1, 5, 10])
+def test_group_sizes_and_grad_clip(k):
+    """Groups that do not divide the clients (6 in 5 + 1), one client per group, one group larger
+    than the rank's clients; gradient clipping active (norm 0.5 clips most steps)."""
+    kw = dict(grad_clip=0.5)
+    start = make_engine("fedprox", {"mu": 0.1}, **kw).global_state.clone()
+    seq = sequential_clients(make_engine("fedprox", {"mu": 0.1}, **kw), 0)
+    bat = batched_clients(make_engine("fedprox", {"mu": 0.1}, **kw), 0, k)
+    assert_same_clients(seq, bat, start)
+
+
+@pytest.mark.skipif("nesterov" not in RunConfig.__dataclass_fields__, reason="no --nesterov in this RunConfig")
+def test_nesterov_equals_sequential():
+    kw = dict(nesterov=True)
+    start = make_engine("fedavg", **kw).global_state.clone()
+    seq = sequential_clients(make_engine("fedavg", **kw), 0)
+    bat = batched_clients(make_engine("fedavg", **kw), 0, 4)
+    assert_same_clients(seq, bat, start)
+
+
+def test_round_through_the_engine_equals_batched_uploads():
+    """A whole round: Engine.run_round (sequential) against the same round's uploads from the
+    batched path, weighted and aggregated as run_round does (FedAvg with server momentum)."""
+    opts = {"server_momentum": 0.5}
+    eng = make_engine("fedavg", opts)
+    eng.run_round(0)
+    other = make_engine("fedavg", opts)
+    rnd = round_info(other, 0)
+    algo = other.algo
+    total = torch.zeros(other.flat.numel, dtype=torch.float64)
+    weight = 0.0
+    for cid, ctx, _, _ in train_in_groups(other, rnd, rnd.my_clients, 4):
+        w = algo.client_weight(ctx)
+        total.add_(algo.upload(other.model, ctx)["params"], alpha=w)
+        weight += w
+    new = algo.aggregate(other.global_state, {"params": total}, weight, rnd)
+    diff = float((new.float() - eng.global_state).abs().max())
+    assert diff <= TOL, diff
+    assert float((eng.global_state - other.global_state).abs().max()) > 1e-2
+
+
+# ----------------------------------------------------------------------------- the pieces
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_stacked_sgd_equals_torch_sgd_row_by_row(nesterov):
+    """K rows stepped at once == torch.optim.SGD (+ clip_grad_norm_) on each row alone, with
+    masked-out steps leaving a row and its momentum exactly as they were."""
+    torch.manual_seed(0)
+    k, p, steps = 3, 7, 5
+    theta0 = torch.randn(k, p)
+    grads = torch.randn(steps, k, p) * 3
+    active = torch.tensor([[1, 1, 1], [1, 0, 1], [1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    lr, mom, wd, clip = 0.1, 0.9, 0.01, 2.0
+    theta = theta0.clone()
+    opt = StackedSGD(theta, p, lr, mom, wd, clip, nesterov)
+    for s in range(steps):
+        opt.step(theta, grads[s], None if bool(active[s].all()) else active[s])
+    for i in range(k):
+        w = torch.nn.Parameter(theta0[i].clone())
+        ref = torch.optim.SGD([w], lr=lr, momentum=mom, weight_decay=wd, nesterov=nesterov)
+        for s in range(steps):
+            if not active[s, i]:
+                continue
+            w.grad = grads[s, i].clone()
+            torch.nn.utils.clip_grad_norm_([w], clip)
+            ref.step()
+        assert torch.allclose(theta[i], w.detach(), atol=1e-6), i
+
+
+def test_masked_out_step_changes_nothing():
+    torch.manual_seed(1)
+    theta = torch.randn(2, 5)
+    opt = StackedSGD(theta, 5, 0.1, 0.9, 0.1, 0.0)
+    opt.step(theta, torch.randn(2, 5), None)  # both move, both have momentum
+    row1, buf1 = theta[1].clone(), opt.buf[1].clone()
+    opt.step(theta, torch.randn(2, 5), torch.tensor([True, False]))
+    assert torch.equal(theta[1], row1) and torch.equal(opt.buf[1], buf1)
+    assert not torch.equal(opt.buf[0], buf1)
+
+
+def test_padding_is_the_mean_over_real_samples_only():
+    """weighted_task_loss on a padded batch == F.cross_entropy on the real rows, and whatever the
+    padded rows hold changes neither the loss nor its gradient."""
+    torch.manual_seed(2)
+    logits = torch.randn(2, 4, 3, requires_grad=True)
+    y = torch.tensor([[0, 1, 2, 0], [2, 2, 1, 0]])
+    weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0], [0.25] * 4])
+    loss = weighted_task_loss(logits, y, weight)
+    assert torch.allclose(loss[0], F.cross_entropy(logits[0, :3], y[0, :3]))
+    assert torch.allclose(loss[1], F.cross_entropy(logits[1], y[1]))
+    (g,) = torch.autograd.grad(loss.sum(), logits)
+    garbage = logits.detach().clone()
+    garbage[0, 3] = 1e4
+    garbage.requires_grad_(True)
+    loss2 = weighted_task_loss(garbage, y, weight)
+    (g2,) = torch.autograd.grad(loss2.sum(), garbage)
+    assert torch.equal(loss, loss2) and torch.equal(g[:, :3], g2[:, :3]) and float(g2[0, 3].abs().max()) == 0
+
+
+def test_epoch_batches_are_each_clients_own_batches():
+    eng = make_engine()
+    rnd = round_info(eng, 0)
+    ctxs = [ClientContext(eng.algo, c, eng.data.client(c), rnd) for c in rnd.my_clients[:3]]
+    eb = epoch_batches(ctxs, 1, eng.cfg.batch_size)
+    for i, ctx in enumerate(ctxs):
+        own = list(ctx.batches(1))
+        assert eb.real[i] == [len(b[1]) for b in own] + [0] * (eb.steps - len(own))
+        for s, (bx, by) in enumerate(own):
+            n = len(by)
+            assert torch.equal(eb.x[i, s, :n], bx) and torch.equal(eb.y[i, s, :n], by)
+            assert torch.allclose(eb.weight[i, s].sum(), torch.tensor(1.0)) and float(eb.weight[i, s, n:].sum()) == 0
+
+
+def test_batched_fedmix_loss_equals_fedmix_loss_per_client():
+    """Eq. 5 for K clients at once == fedmix_loss on each client's unpadded batch, value and
+    weight gradient (the second-order l3 term included), clients of 5 and 3 real rows."""
+    torch.manual_seed(3)
+    k, b, d, c, lam = 2, 5, 6, 4, 0.3
+    w1, w2 = torch.randn(k, d, 8, requires_grad=True), torch.randn(k, 8, c, requires_grad=True)
+
+    def f_one(i, x):
+        return torch.tanh(x @ w1[i]) @ w2[i]
+
+    def forward(x):
+        return torch.tanh(torch.bmm(x, w1)) @ w2
+
+    x = torch.randn(k, b, d)
+    y = one_hot(torch.randint(c, (k, b)), c)
+    xbar, ybar = torch.randn(k, 1, d), torch.softmax(torch.randn(k, 1, c), -1)
+    real = [5, 3]
+    weight = torch.zeros(k, b)
+    for i, n in enumerate(real):
+        weight[i, :n] = 1.0 / n
+    batched = batched_fedmix_loss(forward, x, y, xbar, ybar, lam, weight)
+    gb = torch.autograd.grad(batched.sum(), (w1, w2))
+    for i, n in enumerate(real):
+        one = fedmix_loss(lambda z: f_one(i, z), x[i, :n], y[i, :n], xbar[i], ybar[i], lam)
+        assert torch.allclose(batched[i], one, atol=1e-6)
+        g1 = torch.autograd.grad(one, (w1, w2))
+        assert torch.allclose(gb[0][i], g1[0][i], atol=1e-6) and torch.allclose(gb[1][i], g1[1][i], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- who is refused
+
+@pytest.mark.parametrize("kw,algo,match", [
+    (dict(model="cnn", model_options={"width": 4, "hidden": 16, "dropout": 0.3}), "fedavg", "dropout"),
+    (dict(model="cnn", model_options={"width": 4, "hidden": 16, "norm": "batch"}), "fedavg", "BatchNorm"),
+    (dict(optimizer="adam"), "fedavg", "sgd only"),
+    ({}, "globalmix", "not declared batchable"),
+    ({}, "ditto", "not declared batchable"),
+    ({}, "fd", "not declared batchable"),
+])
+def test_refused_with_a_config_error(kw, algo, match):
+    eng = make_engine(algo, None, **kw)
+    with pytest.raises(ConfigError, match=match):
+        check_batchable(eng.algo, eng.model, eng.cfg)
+
+
+def test_next_character_prediction_is_refused():
+    eng = make_engine()
+    eng.algo.data.task = "next_char"  # per-position labels: what a text dataset declares
+    with pytest.raises(ConfigError, match="classification tasks only"):
+        check_batchable(eng.algo, eng.model, eng.cfg)
+
+
+def test_a_subclass_changing_the_loss_is_not_batched_by_inheritance():
+    eng = make_engine()
+
+    class Reweighted(FedAvg):  # overrides loss, does not re-declare batchable
+        def loss(self, model, x, y, ctx):
+            return 2 * super().loss(model, x, y, ctx)
+
+    eng.algo.__class__ = Reweighted
+    with pytest.raises(ConfigError, match="Reweighted.loss"):
+        check_batchable(eng.algo, eng.model, eng.cfg)
+
+
+def test_cnn_without_dropout_or_batchnorm_is_batched_exactly():
+    kw = dict(model="cnn", model_options={"width": 4, "hidden": 16})
+    start = make_engine("fedavg", **kw).global_state.clone()
+    seq = sequential_clients(make_engine("fedavg", **kw), 0)
+    bat = batched_clients(make_engine("fedavg", **kw), 0, 4)
+    assert_same_clients(seq, bat, start)
+
+
+# ----------------------------------------------------------------------------- through the engine
+# These run once RunConfig has ``clients_at_once`` and Engine.run_round dispatches on it.
+
+needs_engine_dispatch = pytest.mark.skipif("clients_at_once" not in RunConfig.__dataclass_fields__,
+                                           reason="RunConfig has no clients_at_once yet (engine dispatch not applied)")
+
+
+def run_rounds(k, algo, options, rounds=3, **kw):
+    eng = make_engine(algo, options, clients_at_once=k, **kw)
+    metrics = [eng.run_round(t) for t in range(rounds)]
+    return eng, metrics
+
+
+@needs_engine_dispatch
+@pytest.mark.parametrize("algo", ["fedavg", "fedmix"])
+def test_engine_rounds_with_clients_at_once_equal_sequential(algo):
+    seq, m_seq = run_rounds(1, algo, ALGO_OPTIONS[algo])
+    bat, m_bat = run_rounds(4, algo, ALGO_OPTIONS[algo])
+    diff = float((seq.global_state - bat.global_state).abs().max())
+    assert diff <= 3 * TOL, diff  # three rounds: the rounding of each compounds a little
+    for a, b in zip(m_seq, m_bat):
+        assert abs(a["train_loss"] - b["train_loss"]) <= TOL
+        assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
+
+
+@needs_engine_dispatch
+def test_engine_with_a_channel_books_each_clients_own_payload():
+    """With the channel model, each device's payload (its own download and upload) and the
+    seeded outages are the sequential run's: the batched downloads all happen before the first
+    upload, so the traffic a client is charged must not include the others' downloads. Devices
+    that missed a downlink start the next round from the model they kept, in both paths."""
+    kw = dict(channel="symmetric", channel_options={"distance_m": 1800, "t_max_s": 0.008, "num_channels": 12})
+    seq, m_seq = run_rounds(1, "fedavg", {}, rounds=4, **kw)
+    bat, m_bat = run_rounds(4, "fedavg", {}, rounds=4, **kw)
+    for a, b in zip(m_seq, m_bat):
+        for key in ("uplink_outages", "downlink_outages", "comm_seconds", "bytes_up", "bytes_down"):
+            assert a[key] == b[key], key
+    # the check means something only if both kinds of outage happened
+    assert sum(m["uplink_outages"] for m in m_seq) > 0 and sum(m["downlink_outages"] for m in m_seq[:-1]) > 0
+    assert float((seq.global_state - bat.global_state).abs().max()) <= 3 * TOL
+
+
+@needs_engine_dispatch
+def test_engine_refuses_a_model_it_cannot_batch_before_training():
+    with pytest.raises(ConfigError, match="dropout"):
+        make_engine("fedavg", None, clients_at_once=4, model="cnn",
+                    model_options={"width": 4, "hidden": 16, "dropout": 0.3})
+
+
+# ----------------------------------------------------------------------------- grouped kernels vs vmap
+
+class _BatchMeanNet(torch.nn.Module):
+    """A forward that mixes samples (subtracts the batch mean): folding K clients into one batch
+    would change it, so the grouped kernels must be refused for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0, keepdim=True))
+
+
+def _stack(model, k):
+    from fedhpc.batched import stacked_params
+    from fedhpc.flat import FlatModel
+
+    flat = FlatModel(model)
+    theta = flat.flat.detach().repeat(k, 1) + 0.1 * torch.randn(k, flat.numel)
+    return stacked_params(flat, theta)
+
+
+def test_grouped_kernels_equal_vmap_for_linear_and_conv():
+    from fedhpc.batched import grouped_forward, vmap_forward
+    from fedhpc.models import build_model
+
+    torch.manual_seed(4)
+    for name, opts in (("mlp", {"hidden": 16}), ("cnn", {"width": 4, "hidden": 16})):
+        model = build_model(name, (1, 8, 8), 10, opts)
+        params = _stack(model, 3)
+        x = torch.randn(3, 5, 1, 8, 8)
+        grouped = grouped_forward(model, params)
+        assert grouped is not None
+        assert torch.allclose(grouped(x), vmap_forward(model, params)(x), atol=1e-5)
+        # and each client's row is that client's own model, computed alone
+        for i in range(3):
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(params[n][i])
+            assert torch.allclose(grouped(x)[i], model(x[i]), atol=1e-5)
+
+
+def test_a_forward_that_mixes_samples_falls_back_to_vmap():
+    from fedhpc.batched import grouped_forward, stacked_forward, vmap_forward
+
+    torch.manual_seed(5)
+    model = _BatchMeanNet()
+    params = _stack(model, 3)
+    x = torch.randn(3, 4, 6)
+    want = vmap_forward(model, params)(x)
+    assert not torch.allclose(grouped_forward(model, params)(x), want, atol=1e-3)  # folding is wrong here
+    assert torch.allclose(stacked_forward(model, params, x)(x), want, atol=1e-6)
+    # a group of one client cannot tell: it must not leave a verdict for later groups
+    model2 = _BatchMeanNet()
+    params2 = _stack(model2, 3)
+    stacked_forward(model2, {n: p[:1] for n, p in params2.items()}, x[:1])
+    assert torch.allclose(stacked_forward(model2, params2, x)(x), vmap_forward(model2, params2)(x), atol=1e-6)
+
+
+def test_vmap_path_equals_sequential(monkeypatch):
+    """The general path (models the grouped kernels do not cover) against the sequential one."""
+    import fedhpc.batched as batched
+
+    monkeypatch.setattr(batched, "GROUPED_MODULES", ())
+    start = make_engine("fedmix", ALGO_OPTIONS["fedmix"]).global_state.clone()
+    seq = sequential_clients(make_engine("fedmix", ALGO_OPTIONS["fedmix"]), 0)
+    bat = batched_clients(make_engine("fedmix", ALGO_OPTIONS["fedmix"]), 0, 4)
+    assert_same_clients(seq, bat, start)
+
+
+@needs_engine_dispatch
+def test_two_ranks_batched_equal_one_rank_sequential(tmp_path):
+    """--clients-at-once 4 under mpiexec -n 2 (each rank batches its own clients) == 1 rank,
+    one client after another: FedMix on clients of unequal sizes, momentum + weight decay."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env, mpiexec
+
+    args = ["--algo", "fedmix", "--lam", "0.2", "--dataset", "digits", "--model", "mlp", "--partition",
+            "dirichlet:0.5", "--num-clients", "12", "--clients-per-round", "8", "--rounds", "3",
+            "--batch-size", "16", "--momentum", "0.9", "--weight-decay", "0.001", "--quiet",
+            "--no-tensorboard", "--threads", "1", "--checkpoint-every", "0"]
+    runs = {"seq": ([], 1), "two_ranks_batched": ([mpiexec(), "-n", "2"], 4)}
+    models = {}
+    for name, (prefix, k) in runs.items():
+        out = str(tmp_path / name)
+        p = subprocess.run(prefix + [sys.executable, "-m", "fedhpc.launch", *args, "--clients-at-once", str(k),
+                                     "--out", out], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        models[name] = torch.load(os.path.join(out, "final_model.pt"))
+    diff = max(float((models["seq"][n] - models["two_ranks_batched"][n]).abs().max()) for n in models["seq"])
+    assert diff <= 3 * TOL, diff
