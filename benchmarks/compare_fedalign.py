@@ -16,11 +16,8 @@ round's accuracy, and the wall time per run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_run import run_config  # noqa: E402  the comparisons' one way to run a config
+
 BASE = os.path.join(REPO, "launch", "fedalign_digits.yaml")
 
 #: row -> (algorithm, its options, extra model options)
@@ -51,20 +51,7 @@ def run_one(row, seed, args):
     cfg.update(algo=algo, algo_options=options, seed=seed, rounds=args.rounds)
     cfg["model_options"] = {**cfg.get("model_options", {}), **model_options}
     tag = f"{list(METHODS).index(row)}_{algo}_seed{seed}"
-    out = os.path.join(args.out, tag)
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    path = os.path.join(out, "run.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    cmd = [sys.executable, "-m", "fedhpc.launch", "--config", path, "--out", out, "--quiet",
-           "--threads", str(args.threads), "--no-tensorboard"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{row} seed {seed} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows, wall = run_config(cfg, os.path.join(args.out, tag), args.threads, f"{row} seed {seed}")
     return {"row": row, "seed": seed, "final": rows[-1]["test_accuracy"],
             "best": max(r["test_accuracy"] for r in rows), "wall": wall}
 

@@ -13,11 +13,8 @@ middle evaluation, and what each algorithm moved besides parameters.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_run import run_config  # noqa: E402  the comparisons' one way to run a config
+
 BASE = os.path.join(REPO, "launch", "fedmix_digits.yaml")
 
 #: algorithm -> its options (lambda / mu as in the paper's CIFAR-10 column of Table 8)
@@ -41,20 +41,7 @@ ALGOS = {
 def run_one(algo, seed, args):
     cfg = yaml.safe_load(open(BASE))
     cfg.update(algo=algo, algo_options=ALGOS[algo], seed=seed, rounds=args.rounds)
-    out = os.path.join(args.out, f"{algo}_seed{seed}")
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    path = os.path.join(out, "run.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    cmd = [sys.executable, "-m", "fedhpc.launch", "--config", path, "--out", out, "--quiet",
-           "--threads", str(args.threads), "--no-tensorboard"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{algo} seed {seed} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows, wall = run_config(cfg, os.path.join(args.out, f"{algo}_seed{seed}"), args.threads, f"{algo} seed {seed}")
     mid = min(rows, key=lambda r: abs(r["round"] - args.rounds // 2))
     last = rows[-1]
     # metrics.jsonl holds the evaluated rounds only; the cumulative totals cover every round,
