@@ -76,19 +76,15 @@ class Ditto(PersonalAlgorithm):
         self.personal_net.train(model.training)
         anchor = self.flat.param_views(self.global_state)
         popt = fresh_optimizer(self.cfg, self.personal_net.parameters(), ctx.lr)
-        opt = fresh_optimizer(self.cfg, model.parameters(), ctx.lr)
-        params = list(model.parameters())
-        for epoch in range(self.cfg.local_epochs):
-            for x, y in ctx.batches(epoch):
-                for _ in range(self.options.personal_steps):
-                    self.personal_step(x, y, popt, anchor)
-                opt.zero_grad(set_to_none=True)
-                loss = self.loss(model, x, y, ctx)
-                loss.backward()
-                if self.cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
-                opt.step()
-                ctx.record(loss, y.shape[0])
+
+        def personal_steps_then_global_loss(model, x, y, ctx):
+            # each mini-batch: the personal model's steps on h_k first, then the global model's
+            # step on the same batch (Ditto Alg. 1); only the global loss is recorded
+            for _ in range(self.options.personal_steps):
+                self.personal_step(x, y, popt, anchor)
+            return self.loss(model, x, y, ctx)
+
+        self.train_epochs(model, ctx, self.cfg.local_epochs, loss_fn=personal_steps_then_global_loss)
 
     def upload(self, model, ctx):
         ctx.save_state(self.personal_flat.flat)
