@@ -56,15 +56,19 @@ def reference(name: str):
 
 # ----------------------------------------------------------------------------- shared pieces
 
-def start_model(eng) -> torch.nn.Module:
-    """A float64 copy of the engine's model holding the initial global weights."""
-    m = copy.deepcopy(eng.model).double()
-    views = {e.name: eng.global_state[e.offset:e.offset + e.numel].view(e.shape) for e in eng.flat.entries}
+def load_flat(eng, m, flat) -> torch.nn.Module:
+    """Copy a flat state (the engine's layout) into the float64 model ``m``; returns ``m``."""
+    views = {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in eng.flat.entries}
     with torch.no_grad():
         for name, t in list(m.named_parameters()) + list(m.named_buffers()):
             if name in views:
                 t.copy_(views[name].double())
     return m
+
+
+def start_model(eng) -> torch.nn.Module:
+    """A float64 copy of the engine's model holding the initial global weights."""
+    return load_flat(eng, copy.deepcopy(eng.model).double(), eng.global_state)
 
 
 def flat_of(eng, m) -> torch.Tensor:

@@ -20,23 +20,13 @@ import torch.nn.functional as F
 
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.engine import sample_clients
-from reference_steps import autograd, batch_indices, flat_of, reference, start_model
+from reference_steps import autograd, batch_indices, flat_of, load_flat, reference, start_model
 
 TINY = ["--model", "resnet_digits", "--model-opt", "width=4"]
 #: the standard set's small models: a dropout one (and no BatchNorm) and a BatchNorm one
 MODELS = {"dropout": TINY + ["--model-opt", "norm=none", "--model-opt", "dropout=0.3"],
           "batchnorm": TINY + ["--model-opt", "norm=batch"]}
 MOON_MODELS = {k: v + ["--model-opt", "projection_dim=8"] for k, v in MODELS.items()}
-
-
-def load_flat(eng, m, flat):
-    """Copy a flat state (engine layout) into the float64 model ``m``."""
-    views = {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in eng.flat.entries}
-    with torch.no_grad():
-        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
-            if name in views:
-                t.copy_(views[name].double())
-    return m
 
 
 def sgd_rounds(eng, rounds, grad_fn, on_client_done=None):

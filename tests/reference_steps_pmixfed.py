@@ -17,20 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from fedhpc.engine import sample_clients
-from reference_steps import autograd, batch_indices, flat_of, reference, start_model
+from reference_steps import autograd, batch_indices, flat_of, load_flat, reference, start_model
 
 MLP3 = ["--model-opt", "depth=3"]
 
 
 def model_at(eng, flat):
     """A float64 copy of the engine's model holding the flat state ``flat``."""
-    m = start_model(eng)
-    views = {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in eng.flat.entries}
-    with torch.no_grad():
-        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
-            if name in views:
-                t.copy_(views[name].double())
-    return m
+    return load_flat(eng, start_model(eng), flat)
 
 
 def layer_index(eng, name: str) -> int:
