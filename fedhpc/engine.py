@@ -221,6 +221,9 @@ class Engine:
         new_state = algo.aggregate(self.global_state, totals, weight_total, rnd)
         server_s = time.perf_counter() - s0
         self.global_state = new_state.detach().to(self.flat.flat.dtype).clone()
+        # the algorithm always sees the current global state: personal methods build a client's
+        # model from it (client_model, adapt) when evaluating after this round
+        algo.global_state = self.global_state
         ledger = algo.ledger.as_metrics(buf[self.ledger_offset:].double().cpu())
         self.cum_bytes["bytes_up_total"] += ledger["bytes_up"]
         self.cum_bytes["bytes_down_total"] += ledger["bytes_down"]
@@ -334,9 +337,6 @@ class Engine:
         """Every eval round: the global model on the global test set; with local splits, the
         model each client would use on its own split; with a personal or channel-affected
         model, the reference device's model on the global test set (Mix2FLD's Fig. 2)."""
-        # Personal methods build a client's model from the newest global state (client_model,
-        # adapt): hand it over here too, not only at the start of a round.
-        self.algo.global_state = self.global_state
         metrics = self._evaluate_global(self.global_state)
         if self.cfg.local_eval and self.cfg.client_test_fraction > 0:
             metrics.update(self._evaluate_local())
@@ -519,6 +519,7 @@ class Engine:
                                   f"this run builds {self.global_state.numel()}; resume with the same model")
         device = self.world.device
         self.global_state = state.to(device)
+        self.algo.global_state = self.global_state
         # Device contract: algorithms get their saved tensors back on the run's device.
         self.algo.load_state_dict(to_device(body.get("algo_state") or {}, device))
         self.cum_bytes = dict(body.get("cum_bytes", self.cum_bytes))

@@ -232,7 +232,7 @@ ref_fedbabu.argv = MLP3 + ["--finetune-epochs", "2"]
 def ref_ditto(eng):
     """Two rounds: per batch, personal steps on F(v) + lam/2 ||v - w^t||^2, then a global step;
     v starts as the global model a client first receives. The global model is FedAvg's (the
-    standard test's "differs from FedAvg" check does not apply), compared as ``latest_global``."""
+    standard test's "differs from FedAvg" check does not apply: ``global_is_fedavg``)."""
     cfg, data, o = eng.cfg, eng.data, eng.algo.options
     G = eng.global_state.double().clone()
     personal = {}
@@ -258,10 +258,11 @@ def ref_ditto(eng):
             trained[cid] = flat_of(eng, w)
             personal[cid] = flat_of(eng, v)
         G = weighted_mean(eng, trained)
-    return {"client_models": personal, "latest_global": G}
+    return {"client_models": personal, "global_state": G}
 
 
 ref_ditto.rounds = 2
+ref_ditto.global_is_fedavg = True
 ref_ditto.argv = MLP3 + ["--rounds", "2", "--lam", "0.5", "--personal-steps", "2"]
 
 

@@ -180,6 +180,7 @@ def test_engine_runs_the_algorithms_own_update(algo):
         for k in want:
             diff = float((got[k].double() - want[k]).abs().max())
             assert diff <= 2e-5, f"{algo}: {key} {k} differs from the hand computation by {diff:.2e}"
-    if "global_state" in expected and algo != "fedavg":
+    # a method whose global model is FedAvg's by design (Ditto) says so; its client models differ
+    if "global_state" in expected and algo != "fedavg" and not getattr(ref, "global_is_fedavg", False):
         moved = float((expected["global_state"] - plain).abs().max())
         assert moved > 1e-3, f"{algo}: the reference is too close to FedAvg's ({moved:.1e}) to tell them apart"

@@ -239,3 +239,15 @@ def test_personal_state_evaluation_and_cold_start_on_two_ranks(tmp_path):
     assert "cold_start_accuracy" in keys and "local_test_accuracy_mean" in keys
     for k in keys:
         assert last1[k] == pytest.approx(last2[k], abs=1e-9), k
+
+
+@pytest.mark.parametrize("algo", ["fedper", "per_fedavg"])
+def test_resuming_a_finished_run_reports_the_same_personalised_metrics(algo, tmp_path):
+    """A finished run resumed with the same rounds evaluates straight from the checkpoint: the
+    personal models must be built from the restored global state, not from none."""
+    out = str(tmp_path / "run")
+    argv = ["--algo", algo, *BASE, "--model", "mlp", "--out", out]
+    first = engine(argv).run()
+    again = engine(argv + ["--resume"]).run()
+    for k in ("test_accuracy", "local_test_accuracy_mean", "local_test_accuracy_global_model"):
+        assert again[k] == first[k], k

@@ -189,7 +189,8 @@ class Algorithm:
         self.data, self.comm, self.client_state = data, comm, client_state
         self.device = flat.flat.device
         self.ledger = CommLedger(self.ledger_kinds)
-        #: the global flat state that clients start from this round (set by the engine)
+        #: the engine's current global flat state: what clients start from in a round, the new
+        #: one after its aggregation (set by the engine)
         self.global_state: Optional[torch.Tensor] = None
         self._optimizer: Optional[torch.optim.Optimizer] = None
         #: set by the engine: a channel model is simulating links (outages can happen)

@@ -90,9 +90,6 @@ class Ditto(PersonalAlgorithm):
         ctx.save_state(self.personal_flat.flat)
         return super().upload(model, ctx)
 
-    def aggregate(self, global_state, totals, weight_total, rnd):
-        return self.remember_global(super().aggregate(global_state, totals, weight_total, rnd))
-
     def client_model(self, cid):
         return self.client_state.get_slot(cid, "algo")
 

@@ -64,7 +64,7 @@ class FedBABU(PersonalAlgorithm):
         if weight_total <= 0:
             return global_state
         new = global_state.to(torch.float64).clone()
-        return self.remember_global(self.body.scatter_(new, totals["body"] / weight_total))
+        return self.body.scatter_(new, totals["body"] / weight_total)
 
     def fine_tune(self, model, ctx):
         self.train_epochs(model, ctx, self.options.finetune_epochs)

@@ -100,9 +100,6 @@ class PerFedAvg(PersonalAlgorithm):
                 opt.step()
                 ctx.record(loss, group[1][1].shape[0])
 
-    def aggregate(self, global_state, totals, weight_total, rnd):
-        return self.remember_global(super().aggregate(global_state, totals, weight_total, rnd))
-
     def one_step_adaptation(self, model, ctx):
         """``adapt_steps`` plain SGD steps of size alpha on the client's first training batches."""
         batches = ctx.batches(0)

@@ -231,22 +231,9 @@ class PersonalAlgorithm(Algorithm):
         self.options = self.options or self.Options()
         self.layer_map = LayerMap(self.model, self.flat, getattr(self.options, "layer_unit", "block"))
         self._round_index = self.cfg.rounds  # set every round; the final evaluation's default
-        self._latest_global: Optional[torch.Tensor] = None
 
     def round_begin(self, rnd: RoundInfo) -> None:
         self._round_index = rnd.index
-
-    # The engine sets ``global_state`` before each round; evaluation after the round's
-    # aggregation needs the new global, which :meth:`aggregate` remembers here.
-    def remember_global(self, new_state: torch.Tensor) -> torch.Tensor:
-        self._latest_global = new_state.detach().to(self.flat.flat.dtype)
-        return new_state
-
-    def evaluated_global(self) -> torch.Tensor:
-        """The global model as it stands now (after this round's aggregation)."""
-        return self._latest_global if self._latest_global is not None else self.global_state
-
-    latest_global = property(evaluated_global)
 
     def is_last_round(self) -> bool:
         return self._round_index + 1 >= self.cfg.rounds
@@ -288,7 +275,7 @@ class PersonalAlgorithm(Algorithm):
         data (gradients on, training mode, seeded like a client's round); returns a copy."""
         ctx = self.evaluation_context(cid)
         was_training = self.model.training
-        self.flat.load_(self.evaluated_global())
+        self.flat.load_(self.global_state)
         seed_torch(derive_seed(self.cfg.seed, "personalise", ctx.round.index, cid), self.device)
         with torch.enable_grad():
             self.model.train()
@@ -356,13 +343,13 @@ class PartialAlgorithm(PersonalAlgorithm):
         if weight_total <= 0:
             return global_state
         new = global_state.to(torch.float64).clone()
-        return self.remember_global(self.shared.scatter_(new, totals["shared"] / weight_total))
+        return self.shared.scatter_(new, totals["shared"] / weight_total)
 
     def client_model(self, cid):
         mine = self.client_state.get_slot(cid, "algo")
         if mine is None:
             return None
-        return self.personal.scatter_(self.evaluated_global().clone(), mine)
+        return self.personal.scatter_(self.global_state.clone(), mine)
 
     def personal_modules(self) -> List[nn.Module]:
         return self.modules_of(self.personal.layers)

@@ -215,7 +215,7 @@ class PMixFed(PersonalAlgorithm):
         average = totals["params"] / weight_total                     # sum_k p_k L_k
         lam = aggregation_lambdas(self.aggregation_mu(), self.layer_map.num_layers)
         # lam G + (1 - lam) sum_k p_k L_k
-        return self.remember_global(self.layer_map.mix(global_state.to(torch.float64), average, lam))
+        return self.layer_map.mix(global_state.to(torch.float64), average, lam)
 
     def extra_metrics(self):
         out = {"mu_aggregation": self.aggregation_mu()}
