@@ -31,6 +31,14 @@ class MLP(nn.Module):
         return [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)] + [("head", self.head)]
 
 
+def check_norm_dropout(model: str, norm: str, dropout: float) -> None:
+    """The test-model options every small CNN here takes: norm none|batch, dropout in [0, 1)."""
+    if norm not in ("none", "batch"):
+        raise ConfigError(f"{model} option norm must be none or batch, got {norm!r}")
+    if not 0 <= dropout < 1:
+        raise ConfigError(f"{model} option dropout must be in [0, 1), got {dropout}")
+
+
 class SmallCNN(nn.Module):
     """Two 3x3 conv blocks and two fc layers; sized for 8x8 digits but works on any HxW.
 
@@ -42,10 +50,7 @@ class SmallCNN(nn.Module):
     def __init__(self, input_shape, num_classes: int, width: int = 16, hidden: int = 64,
                  norm: str = "none", dropout: float = 0.0):
         super().__init__()
-        if norm not in ("none", "batch"):
-            raise ConfigError(f"cnn option norm must be none or batch, got {norm!r}")
-        if not 0 <= dropout < 1:
-            raise ConfigError(f"cnn option dropout must be in [0, 1), got {dropout}")
+        check_norm_dropout("cnn", norm, dropout)
         c, h, w = input_shape
 
         def bn(ch):
@@ -86,10 +91,7 @@ class PMixFedDigitsCNN(ConvBlocksWithHead):
     def __init__(self, input_shape, num_classes: int, channels: int = 16, norm: str = "batch",
                  dropout: float = 0.0):
         super().__init__()
-        if norm not in ("none", "batch"):
-            raise ConfigError(f"pmixfed_cnn_digits option norm must be none or batch, got {norm!r}")
-        if not 0 <= dropout < 1:
-            raise ConfigError(f"pmixfed_cnn_digits option dropout must be in [0, 1), got {dropout}")
+        check_norm_dropout("pmixfed_cnn_digits", norm, dropout)
         c, h, w = input_shape
         blocks, in_ch = [], c
         for i in range(4):
