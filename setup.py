@@ -54,13 +54,13 @@ def native_extension():
         cuda_sources = [os.path.relpath(p, HERE) for p in src.paths(src.CUDA_SOURCES)]
         ext = cpp_extension.CUDAExtension(
             src.EXT_NAME, cpu_sources + cuda_sources,
-            extra_compile_args={"cxx": src.CXX_FLAGS + defines + ["-DFEDHPC_WITH_CUDA"],
-                                "nvcc": src.NVCC_FLAGS + defines + ["-DFEDHPC_WITH_CUDA"]},
-            extra_link_args=src.LD_FLAGS)
+            extra_compile_args={"cxx": [*src.CXX_FLAGS, *defines, "-DFEDHPC_WITH_CUDA"],
+                                "nvcc": [*src.NVCC_FLAGS, *defines, "-DFEDHPC_WITH_CUDA"]},
+            extra_link_args=list(src.LD_FLAGS))
     else:
         ext = cpp_extension.CppExtension(src.EXT_NAME, cpu_sources,
-                                         extra_compile_args={"cxx": src.CXX_FLAGS + defines},
-                                         extra_link_args=src.LD_FLAGS)
+                                         extra_compile_args={"cxx": [*src.CXX_FLAGS, *defines]},
+                                         extra_link_args=list(src.LD_FLAGS))
     ext.fedhpc_cpu_sources = cpu_sources
     ext.optional = True  # setuptools then skips copying a module that was not built
 

@@ -118,8 +118,8 @@ def _jit(current: str):
             why = f.read().strip()
         return None, f"an earlier run-time build of these sources failed ({why}); delete {failed} to retry"
     try:
-        module = cpp_extension.load(src.JIT_NAME, sources, extra_cflags=src.CXX_FLAGS + defines, extra_ldflags=src.LD_FLAGS,
-                                    extra_cuda_cflags=src.NVCC_FLAGS + defines, build_directory=build_dir,
+        module = cpp_extension.load(src.JIT_NAME, sources, extra_cflags=[*src.CXX_FLAGS, *defines], extra_ldflags=list(src.LD_FLAGS),
+                                    extra_cuda_cflags=[*src.NVCC_FLAGS, *defines], build_directory=build_dir,
                                     with_cuda=with_cuda, verbose=False)
     except Exception as exc:  # a broken toolchain must not stop a run: the reference gives the same numbers
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]

@@ -25,9 +25,12 @@ HEADERS = ["fedhpc_ops.h", "cuda/mix_kernels.cuh"]
 # run on every compute node.
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without the flag the
 # compiler drops it and every kernel runs on one thread (it did: 2 threads gained nothing).
-CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
-LD_FLAGS = ["-fopenmp"]
-NVCC_FLAGS = ["-O3", "-std=c++17"]
+# Tuples, and every caller passes a fresh list: torch.utils.cpp_extension appends to the flag
+# lists it is given (a CUDA JIT build added CUDA libraries to LD_FLAGS in place, which changed
+# sources_hash() in the same process and made the freshly built module look stale).
+CXX_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+LD_FLAGS = ("-fopenmp",)
+NVCC_FLAGS = ("-O3", "-std=c++17")
 
 
 def env_flag(name: str) -> bool:
