@@ -69,6 +69,8 @@ class RunConfig:
     eval_batch_size: int = field(default=1000, metadata={"help": "batch size for evaluation"})
     threads: int = field(default=0, metadata={"help": "torch threads per rank (0 = cores on this node / ranks on this node)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda (one GPU per local rank)"})
+    deterministic: bool = field(default=True, metadata={"help": "on GPUs: deterministic cuDNN / cuBLAS kernels and no TF32, so a seed gives the same model whatever the ranks, batching or run (--no-deterministic: TF32 and the fastest kernels, results vary in the 4th digit)"})
+    collective_backend: str = field(default="auto", metadata={"help": "auto | nccl | gloo: auto takes NCCL when every rank of a node has its own GPU, gloo (through host memory) on CPU and when ranks share a GPU"})
     client_state_budget_mb: float = field(default=1024.0, metadata={"help": "memory for per-client state per rank before spilling to disk"})
     collective_timeout: float = field(default=600.0, metadata={"help": "seconds a collective waits for peers before declaring a rank dead"})
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files (rank 0) under --out"})
@@ -124,6 +126,10 @@ class RunConfig:
         need(self.eval_batch_size >= 1, f"--eval-batch-size must be positive, got {self.eval_batch_size}")
         need(self.threads >= 0, f"--threads must be >= 0 (0 = automatic), got {self.threads}")
         need(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.collective_backend in ("auto", "nccl", "gloo"),
+             f"--collective-backend must be auto, nccl or gloo, got {self.collective_backend!r}")
+        need(self.collective_backend != "nccl" or self.device != "cpu",
+             "--collective-backend nccl needs --device cuda (or auto on a GPU node); CPU runs use gloo")
         need(self.client_state_budget_mb > 0, "--client-state-budget-mb must be positive")
         need(self.collective_timeout > 0, "--collective-timeout must be positive")
         need(self.seed >= 0, f"--seed must be non-negative, got {self.seed}")

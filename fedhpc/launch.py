@@ -29,7 +29,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .engine import EXIT_PREEMPTED, Engine, Preempted
         from .world import World
 
-        world = World(cfg.device, cfg.threads, cfg.collective_timeout)
+        world = World(cfg.device, cfg.threads, cfg.collective_timeout, cfg.collective_backend, cfg.deterministic)
+        if world.rank == 0 and world.backend_note:
+            print(f"note: {world.backend_note}", file=sys.stderr, flush=True)
         engine = Engine(cfg, algo_options, data_options, world)
         try:
             engine.run()

@@ -11,7 +11,9 @@ Detection order (first match wins):
   4. A single process: no process group at all, every collective is the identity.
 
 MPI only launches and bootstraps; tensors travel over torch.distributed with gloo
-on CPU and NCCL on GPU (one GPU per local rank).
+on CPU and NCCL on GPU when every rank of a node has a GPU of its own. Ranks that share a
+GPU (more ranks on a node than GPUs) cannot use NCCL, which refuses two ranks on one device:
+their collectives go over gloo, staged through host memory (:func:`choose_backend`).
 """
 
 from __future__ import annotations
@@ -36,10 +38,74 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def gpu_numerics(deterministic: bool) -> None:
+    """How this process's GPU kernels compute: the same numbers every time, or the fastest.
+
+    Deterministic (the default): float32 convolutions and matrix products in full float32
+    (cuDNN's TF32 default is off), cuDNN's deterministic algorithms without autotuning, and
+    cuBLAS with a fixed workspace. Then a seed gives the same model on 1 or N ranks, ranks
+    sharing a GPU, batched or sequential clients, and from run to run: measured on an H100,
+    TF32 alone moved a digits CNN by 3e-4 (ranks sharing vs one rank) and 9e-4 (batched vs
+    sequential). torch is told to use deterministic algorithms with warn_only, so an op
+    without one warns (once) instead of stopping a run. ``deterministic=False`` allows TF32
+    and cuDNN's autotuner (faster convolutions; results then vary in the 4th digit).
+    """
+    torch.backends.cuda.matmul.allow_tf32 = not deterministic
+    torch.backends.cudnn.allow_tf32 = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic
+    if deterministic:
+        # cuBLAS reuses workspace across streams nondeterministically unless it is fixed,
+        # and reads this once, at its first handle: set before any matrix product runs
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    # ... but no NaN-filling of every torch.empty (its default under that flag): an extra write
+    # per allocation that fedhpc, which never reads memory it did not write, does not need
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def choose_backend(use_cuda: bool, ranks_on_node: int, gpus_on_node: int, requested: str = "auto"):
+    """(backend, note): which torch.distributed backend carries the ranks' tensors.
+
+    * CPU runs: gloo.
+    * GPU runs with a GPU per rank on every node: NCCL (GPU-direct, the fastest).
+    * GPU runs where ranks share a GPU: gloo, staged through host memory. NCCL refuses two
+      ranks on one device ("Duplicate GPU detected"), so it is no option there. The note says
+      what that costs and the usual better layout for small models: one rank per GPU training
+      several clients at once (``--clients-at-once``), measured in benchmarks/RESULTS.md.
+
+    ``requested`` ("auto", "nccl", "gloo") overrides the choice where that can work, and a
+    request that cannot (NCCL on CPU, NCCL with shared GPUs) is a ConfigError naming the fix.
+    """
+    if requested not in BACKENDS:
+        raise ConfigError(f"--collective-backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if not use_cuda:
+        if requested == "nccl":
+            raise ConfigError("--collective-backend nccl needs GPUs (--device cuda); CPU runs use gloo: "
+                              "drop the option or set it to auto")
+        return "gloo", ""
+    shared = ranks_on_node > gpus_on_node
+    if requested == "nccl" and shared:
+        raise ConfigError(f"--collective-backend nccl needs one rank per GPU, but {ranks_on_node} ranks on this "
+                          f"node share {gpus_on_node} GPU(s). Launch at most {gpus_on_node} rank(s) per node "
+                          f"(and train several clients per rank at once with --clients-at-once K), or use "
+                          f"--collective-backend gloo (or auto)")
+    if requested == "gloo" or shared:
+        why = (f"{ranks_on_node} ranks share {gpus_on_node} GPU(s) on this node and NCCL needs one rank per GPU"
+               if shared else "--collective-backend gloo")
+        return "gloo", (f"collectives over gloo through host memory ({why}); for small models one rank per GPU "
+                        f"with --clients-at-once K is usually faster")
+    return "nccl", ""
+
+
 class World:
     """This process's place among the ranks, and the collectives the engine uses."""
 
-    def __init__(self, device: str = "auto", threads: int = 0, timeout: float = 600.0):
+    def __init__(self, device: str = "auto", threads: int = 0, timeout: float = 600.0, backend: str = "auto",
+                 deterministic: bool = True):
         self.launcher, self.rank, self.size, self.local_rank, self.local_size = "single", 0, 1, 0, 1
         self._mpi_comm = None
         init_method = None
@@ -89,10 +155,15 @@ class World:
                 raise ConfigError("--device cuda was asked for but no GPU is visible; use --device cpu or auto")
             self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
+            gpu_numerics(deterministic)
         else:
             self.device = torch.device("cpu")
-        self.backend = "nccl" if use_cuda else "gloo"
-        if use_cuda:
+        self.backend, self.backend_note = choose_backend(
+            use_cuda, self.local_size, torch.cuda.device_count() if use_cuda else 0, backend)
+        # gloo carries CPU tensors only as far as this code relies on: GPU tensors on a gloo run
+        # go through a host copy in each collective (see _on_host)
+        self._stage_on_host = use_cuda and self.backend == "gloo"
+        if self.backend == "nccl":
             # NCCL's watchdog tears the process down on an error by default (mode 3), so a dead
             # peer would never reach our clear "exit 4, --resume" message. Mode 2 only aborts
             # the communicator and lets the collective raise; the user's own setting wins.
@@ -118,16 +189,25 @@ class World:
                 f"command with --resume"
             ) from e
 
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor a collective hands to the backend: a host copy on gloo runs with GPUs."""
+        return tensor.cpu() if self._stage_on_host and tensor.is_cuda else tensor
+
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over all ranks."""
         if self.size > 1:
-            self._guard("all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.SUM)
+            t = self._host(tensor)
+            self._guard("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.SUM)
+            if t is not tensor:
+                tensor.copy_(t)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's tensor, in rank order; the first dimension may differ between ranks."""
         if self.size == 1:
             return [tensor]
+        device = tensor.device
+        tensor = self._host(tensor)
         n = torch.tensor([tensor.shape[0]], device=tensor.device, dtype=torch.long)
         sizes = [torch.zeros_like(n) for _ in range(self.size)]
         self._guard("all_gather(sizes)", dist.all_gather, sizes, n)
@@ -139,12 +219,15 @@ class World:
             padded = torch.cat([tensor, pad])
         out = [torch.empty_like(padded) for _ in range(self.size)]
         self._guard("all_gather", dist.all_gather, out, padded.contiguous())
-        return [o[:s] for o, s in zip(out, sizes)]
+        return [o[:s].to(device) for o, s in zip(out, sizes)]
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s (same shape and dtype everywhere)."""
         if self.size > 1:
-            self._guard("broadcast", dist.broadcast, tensor, src=src)
+            t = self._host(tensor)
+            self._guard("broadcast", dist.broadcast, t, src=src)
+            if t is not tensor:
+                tensor.copy_(t)
         return tensor
 
     def all_gather_object(self, obj: Any) -> List[Any]:

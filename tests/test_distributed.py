@@ -95,3 +95,65 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_message(tmp_path):
     assert p.returncode == 0, p.stderr
     rounds = [json.loads(l)["round"] for l in open(os.path.join(out, "metrics.jsonl"))]
     assert rounds == list(range(1, done + 3))
+
+
+# ----------------------------------------------------------------------------- ranks sharing a GPU
+
+@pytest.mark.parametrize("use_cuda,ranks,gpus,requested,expect", [
+    (False, 2, 0, "auto", "gloo"),
+    (False, 1, 0, "gloo", "gloo"),
+    (True, 1, 1, "auto", "nccl"),
+    (True, 4, 4, "auto", "nccl"),
+    (True, 2, 1, "auto", "gloo"),     # two ranks on one GPU: NCCL refuses that
+    (True, 8, 4, "auto", "gloo"),
+    (True, 2, 2, "gloo", "gloo"),     # asked for, and possible
+])
+def test_the_backend_follows_ranks_per_gpu(use_cuda, ranks, gpus, requested, expect):
+    from fedhpc.world import choose_backend
+
+    backend, note = choose_backend(use_cuda, ranks, gpus, requested)
+    assert backend == expect
+    # a gloo run with GPUs says why and what is usually faster; the plain cases say nothing
+    assert bool(note) == (use_cuda and backend == "gloo")
+    if use_cuda and ranks > gpus:
+        assert "share" in note and "--clients-at-once" in note
+
+
+@pytest.mark.parametrize("use_cuda,ranks,gpus,requested,needle", [
+    (True, 2, 1, "nccl", "one rank per GPU"),
+    (False, 2, 0, "nccl", "needs GPUs"),
+    (True, 1, 1, "mpi", "must be one of"),
+])
+def test_an_impossible_backend_is_refused_with_the_fix(use_cuda, ranks, gpus, requested, needle):
+    from fedhpc.errors import ConfigError
+    from fedhpc.world import choose_backend
+
+    with pytest.raises(ConfigError, match=needle):
+        choose_backend(use_cuda, ranks, gpus, requested)
+
+
+needs_gpu = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+
+
+@needs_gpu
+def test_two_ranks_sharing_one_gpu_match_one_rank(tmp_path):
+    """More ranks than GPUs on a node: collectives go over gloo through host memory, and the
+    model equals one rank's on the same GPU (run on the device machine; skipped without a GPU)."""
+    import torch
+
+    one = str(tmp_path / "one")
+    p = launch(ARGS + ["--device", "cuda", "--out", one])
+    assert p.returncode == 0, p.stderr[-3000:]
+    shared = str(tmp_path / "shared")
+    ranks = torch.cuda.device_count() + 1  # at least two ranks on one GPU
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+                "--master-port", str(free_port())]
+    p = subprocess.run([*torchrun, "-m", "fedhpc.launch", *ARGS, "--device", "cuda", "--out", shared], cwd=REPO,
+                       env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "collectives over gloo" in p.stderr
+    assert max_diff(final_weights(one), final_weights(shared)) <= TOL
+    refused = subprocess.run([*torchrun[:-1], str(free_port()), "-m", "fedhpc.launch", *ARGS, "--device", "cuda",
+                              "--collective-backend", "nccl", "--out", str(tmp_path / "refused")], cwd=REPO,
+                             env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "one rank per GPU" in refused.stderr
