@@ -33,7 +33,8 @@ def free_port() -> int:
 def clean_env(**extra) -> dict:
     """The environment without any launcher variables, so a child decides for itself."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "OMPI_", "SLURM_", "PMIX_", "HYDRA_", "MPIR_"))
+           if (not k.startswith(("PMI_", "OMPI_", "SLURM_", "PMIX_", "HYDRA_", "MPIR_"))
+               or k.startswith("OMPI_ALLOW_RUN_AS_ROOT"))  # a setting of the machine, not of a launch
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
