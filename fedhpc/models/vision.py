@@ -769,15 +769,18 @@ def resnet56(input_shape, num_classes, block: str = "bottleneck", last_block: st
 
 
 @register_model("resnet18")
-def resnet18(input_shape, num_classes, stem: str = "imagenet", last_block: str = "stage", projection_dim: int = 0):
+def resnet18(input_shape, num_classes, stem: str = "imagenet", last_block: str = "stage", projection_dim: int = 0,
+             norm: str = "batch"):
     """ResNet-18 (He et al.): 4 stages of 2 basic blocks, 64/128/256/512 channels.
 
     ``stem="imagenet"`` (default, as in FedAlign's code for ImageNet-200):
     7x7/2 conv + 3x3/2 max-pool, so 64x64 inputs end at 2x2 and 224x224 at
     7x7. ``stem="cifar"``: a 3x3/1 conv and no pool. ``projection_dim``: MOON's head.
+    ``norm="none"`` drops BatchNorm (convs keep biases): what batched clients
+    (``--clients-at-once``) need.
     """
     return ResNet(input_shape, num_classes, BasicBlock, (2, 2, 2, 2), (64, 128, 256, 512), stem, 64, last_block,
-                  projection_dim=projection_dim)
+                  norm=norm, projection_dim=projection_dim)
 
 
 @register_model("resnet_digits")
