@@ -80,8 +80,11 @@ def nbytes(*tensors):
 
 def segment_cases(device, dtype):
     gen = torch.Generator().manual_seed(0)
-    for p, c, s, inplace in ((100_000, 10, 20, False), (1_000_000, 16, 100, False), (1_000_000, 16, 100, True),
-                             (16_000_000, 1, 1000, True), (4_000_000, 8, 1000, False)):
+    sizes = [(100_000, 10, 20, False), (1_000_000, 16, 100, False), (1_000_000, 16, 100, True),
+             (16_000_000, 1, 1000, True), (4_000_000, 8, 1000, False)]
+    if device.type == "cuda":  # a GPU's L2 (50-60 MB on Hopper) holds the CPU cases: add ones far beyond it
+        sizes += [(16_000_000, 16, 1000, False), (16_000_000, 16, 1000, True), (64_000_000, 1, 1000, True)]
+    for p, c, s, inplace in sizes:
         weights = torch.rand(s, generator=gen, dtype=torch.float64) ** 3  # ragged, like layers of a model
         lengths = (weights / weights.sum() * p).long()
         lengths[-1] += p - int(lengths.sum())
@@ -100,7 +103,7 @@ def segment_cases(device, dtype):
 
 def fedmix_cases(device, dtype):
     gen = torch.Generator().manual_seed(1)
-    for batch in (10, 64):
+    for batch in (10, 64) + ((4096,) if device.type == "cuda" else ()):
         shape = (batch, 3, 32, 32)
         g = (torch.rand(shape, generator=gen, dtype=dtype) - 0.5).to(device)
         xbar = torch.rand((1,) + shape[1:], generator=gen, dtype=dtype).to(device)

@@ -490,3 +490,46 @@ def test_cuda_binding_compiles(tmp_path):
     errors = [p.communicate(timeout=600)[1] for p in procs]
     for p, err in zip(procs, errors):
         assert p.returncode == 0, err[-4000:]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vectorised_and_misaligned_paths_equal_the_reference(dtype, device):
+    """Rows long enough for the CUDA kernels' 16-byte vectors, and the same data one element off
+    alignment (a storage offset of 1), which must take the scalar path with the same numbers."""
+    native_or_skip()
+    gen = torch.Generator().manual_seed(9)
+
+    def shifted(t):  # same values, data pointer one element past a 16-byte boundary
+        buf = torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
+        out = buf[1:].view(t.shape)
+        out.copy_(t)
+        return out
+
+    for make in (lambda t: t, shifted):
+        x, y = make(rand((300, 3, 8, 8), dtype, gen, device)), make(rand((300, 10), dtype, gen, device))
+        ybar = rand((1, 10), dtype, gen, device)
+        for xbar in (rand((300, 3, 8, 8), dtype, gen, device), rand((1, 3, 8, 8), dtype, gen, device)):
+            leaves = [t.clone().requires_grad_(True) for t in (x, make(xbar), y, ybar)]
+            with ops.prefer("native"):
+                got = ops.mix_inputs_labels(leaves[0], leaves[2], leaves[3], 0.3, leaves[1])
+            want = reference.mix_inputs_labels(leaves[0], leaves[2], leaves[3], 0.3, leaves[1])
+            assert all(torch.equal(g_, w_) for g_, w_ in zip(got, want))
+            probes = [rand(t.shape, dtype, gen, device) for t in want]
+            tol = 1e-5 if dtype == torch.float32 else 1e-13
+            for gn, gr in zip(torch.autograd.grad(got, leaves, probes), torch.autograd.grad(want, leaves, probes)):
+                assert torch.allclose(gn, gr, rtol=tol, atol=tol)
+            g, xl = make(rand((300, 3, 8, 8), dtype, gen, device)).requires_grad_(True), make(xbar).requires_grad_(True)
+            with ops.prefer("native"):
+                s = ops.fedmix_l3(g, xl, 0.2)
+            r = reference.fedmix_l3(g, xl, 0.2)
+            probe = rand((300,), dtype, gen, device)
+            gn, gr = torch.autograd.grad(s, (g, xl), probe), torch.autograd.grad(r, (g, xl), probe)
+            assert torch.equal(gn[0], gr[0]) and torch.allclose(gn[1], gr[1], rtol=tol, atol=tol)
+        off = ops.segment_offsets([1000, 3, 0, 5093])
+        a, b = make(rand((3, 6096), dtype, gen, device)), make(rand((6096,), dtype, gen, device))
+        lam = rand((3, 4), torch.float64, gen, device)
+        want = reference.segment_mix(a, b, off.to(device), lam)
+        with ops.prefer("native"):
+            assert torch.equal(ops.segment_mix(a, b, off, lam), want)
+            assert ops.segment_mix(a, b, off, lam, out=a) is a and torch.equal(a, want)

@@ -2,8 +2,14 @@
 //
 // * One launch per call: the input pair and the label pair of FedMix share a launch, and the
 //   segmented mixup covers every client and every segment in one grid.
-// * Coalesced: consecutive threads touch consecutive columns; column reductions run over
-//   tiles of 32 columns x 8 row lanes, so a warp reads 32 consecutive values of a row.
+// * Bandwidth first: elementwise work runs over a 2-D grid (rows x column vectors, no index
+//   division per element) in 16-byte vectors (float4 / double2) wherever the row starts are
+//   16-byte aligned and rows hold whole vectors, scalars otherwise; grids are sized to fill the
+//   GPU once and loop (results never depend on the grid). Measured on an H100 (bench_ops.py),
+//   the earlier scalar, 1-D versions reached 0.53-0.76 of copy bandwidth.
+// * Coalesced: consecutive threads touch consecutive vectors; column reductions (only the
+//   gradient of a mean broadcast over the batch needs one) run over tiles of 32 columns x 8
+//   row lanes, so a warp reads 32 consecutive values of a row.
 // * Deterministic: every reduction sums in an order fixed by the shapes (row lanes, then a
 //   fixed combine), never with atomics.
 // * Arithmetic with explicitly rounded intrinsics (__fmul_rn, __fadd_rn, ...) so nvcc cannot
@@ -19,7 +25,6 @@ constexpr int kTileCols = 32;      // column tile of the transposed / reducing k
 constexpr int kRowLanes = 8;       // row lanes per column tile (blockDim.y)
 constexpr int kItems = 4;          // elements per thread per tile in segment_mix
 constexpr int64_t kMaxBlocks = 4096;
-constexpr int64_t kSegBlocks = 1024;
 constexpr int kSharedOffsets = 2048;  // offsets cached in shared memory up to this many entries
 
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
@@ -34,27 +39,47 @@ inline int64_t blocks_for(int64_t n, int64_t per_block, int64_t cap) {
   return b < 1 ? 1 : (b > cap ? cap : b);
 }
 
-template <typename T>
-__device__ __forceinline__ void mix_at(const MixPair<T>& p, int64_t i, T wa, T wb) {
-  if (p.b == nullptr) {
-    p.out[i] = mul_rn(wa, p.a[i]);
-    return;
-  }
-  const int64_t bi = p.b_rows == 1 ? i % p.cols : i;
-  p.out[i] = add_rn(mul_rn(wa, p.a[i]), mul_rn(wb, p.b[bi]));
+// 16-byte vectors: one load instruction moves 4 floats or 2 doubles (V = 1: plain scalars).
+template <typename T, int V>
+struct VecT {
+  using type = T;
+};
+template <>
+struct VecT<float, 4> {
+  using type = float4;
+};
+template <>
+struct VecT<double, 2> {
+  using type = double2;
+};
+template <typename T, int V>
+__device__ __forceinline__ T& lane(typename VecT<T, V>::type& v, int k) {
+  return reinterpret_cast<T*>(&v)[k];
 }
 
-template <typename T>
-__global__ void mix_forward_kernel(MixPair<T> x, MixPair<T> y, T wa, T wb) {
-  const int64_t nx = x.rows * x.cols, n = nx + y.rows * y.cols;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (i < nx) {
-      mix_at(x, i, wa, wb);
-    } else {
-      mix_at(y, i - nx, wa, wb);
-    }
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Blocks that fill the current GPU once (8 resident blocks of kThreads per SM); grid-stride
+// loops cover the rest. Only elementwise kernels size their grids from this: their results
+// do not depend on the grid.
+inline int64_t resident_blocks() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1) {
+    cudaGetLastError();  // clear it: the launch that follows reports real errors
+    sms = 80;
   }
+  return static_cast<int64_t>(sms) * (2048 / kThreads);
+}
+
+// A 2-D grid over (column vectors, rows): blockIdx.y strides rows, blockIdx.x the vectors of
+// a row, so no thread divides a flat index by the row length.
+inline dim3 rows_grid(int64_t rows, int64_t vecs_per_row, int64_t per_block) {
+  const int64_t gy = rows < 1 ? 1 : (rows > 65535 ? 65535 : rows);
+  const int64_t want_x = (resident_blocks() + gy - 1) / gy;
+  int64_t gx = (vecs_per_row + per_block - 1) / per_block;
+  gx = gx < 1 ? 1 : (gx > want_x ? want_x : gx);
+  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
 }
 
 // Combines the row lanes of a column tile in lane order; thread (tx, 0) gets the column total.
@@ -158,10 +183,116 @@ __global__ void l3_backward_kernel(const T* go, const T* g, const T* xbar, T* gg
   }
 }
 
-template <typename T>
-__global__ void segment_mix_kernel(const T* a, int64_t a_rs, const T* b, int64_t b_rs, T* out, int64_t o_rs,
-                                   const int64_t* off_global, int64_t nseg, const T* lam, int64_t lam_rows,
-                                   int64_t rows, int64_t cols) {
+// --------------------------------------------------------------- row kernels (vectorised)
+// Rows [0, x.rows) are x's, rows [x.rows, x.rows + y.rows) are y's: one launch for both pairs;
+// x (the inputs, nearly all the bytes) moves in 16-byte vectors when VX > 1, y in scalars.
+template <typename T, int V>
+__device__ __forceinline__ void mix_row(const MixPair<T>& p, int64_t r, T wa, T wb) {
+  using VT = typename VecT<T, V>::type;
+  const int64_t nv = p.cols / V;
+  const VT* a = reinterpret_cast<const VT*>(p.a + r * p.cols);
+  const VT* b = p.b == nullptr ? nullptr : reinterpret_cast<const VT*>(p.b + (p.b_rows == 1 ? 0 : r) * p.cols);
+  VT* o = reinterpret_cast<VT*>(p.out + r * p.cols);
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < nv;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    VT av = a[v], ov;
+    if (b != nullptr) {
+      VT bv = b[v];
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        lane<T, V>(ov, k) = add_rn(mul_rn(wa, lane<T, V>(av, k)), mul_rn(wb, lane<T, V>(bv, k)));
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) lane<T, V>(ov, k) = mul_rn(wa, lane<T, V>(av, k));
+    }
+    o[v] = ov;
+  }
+}
+
+template <typename T, int VX>
+__global__ void mix_forward_rows_kernel(MixPair<T> x, MixPair<T> y, T wa, T wb) {
+  for (int64_t r = blockIdx.y; r < x.rows + y.rows; r += gridDim.y) {
+    if (r < x.rows) {
+      mix_row<T, VX>(x, r, wa, wb);
+    } else {
+      mix_row<T, 1>(y, r - x.rows, wa, wb);
+    }
+  }
+}
+
+// ga = wa * g and gb = wb * g row by row (no column sum: b has a row per row of g).
+template <typename T, int V>
+__device__ __forceinline__ void scale_row(const MixPairT<T>& p, int64_t r, T wa, T wb) {
+  using VT = typename VecT<T, V>::type;
+  const int64_t nv = p.cols / V;
+  const VT* g = reinterpret_cast<const VT*>(p.g + r * p.cols);
+  VT* ga = p.ga == nullptr ? nullptr : reinterpret_cast<VT*>(p.ga + r * p.cols);
+  VT* gb = p.gb == nullptr ? nullptr : reinterpret_cast<VT*>(p.gb + r * p.cols);
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < nv;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    VT gv = g[v], o;
+    if (ga != nullptr) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) lane<T, V>(o, k) = mul_rn(wa, lane<T, V>(gv, k));
+      ga[v] = o;
+    }
+    if (gb != nullptr) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) lane<T, V>(o, k) = mul_rn(wb, lane<T, V>(gv, k));
+      gb[v] = o;
+    }
+  }
+}
+
+template <typename T, int VX>
+__global__ void mix_backward_rows_kernel(MixPairT<T> x, MixPairT<T> y, T wa, T wb) {
+  for (int64_t r = blockIdx.y; r < x.rows + y.rows; r += gridDim.y) {
+    if (r < x.rows) {
+      scale_row<T, VX>(x, r, wa, wb);
+    } else {
+      scale_row<T, 1>(y, r - x.rows, wa, wb);
+    }
+  }
+}
+
+// l3's backward without a column sum: gg[r] = c_r * xbar[r or 0], gx[r] = c_r * g[r].
+template <typename T, int V>
+__global__ void l3_backward_rows_kernel(const T* go, const T* g, const T* xbar, T* gg, T* gx, int64_t rows,
+                                        int64_t cols, int64_t x_rows, T lam) {
+  using VT = typename VecT<T, V>::type;
+  const int64_t nv = cols / V;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const T c = mul_rn(go[r], lam);  // autograd scales the incoming gradient before it fans out
+    const VT* xr = reinterpret_cast<const VT*>(xbar + (x_rows == 1 ? 0 : r) * cols);
+    const VT* gr = reinterpret_cast<const VT*>(g + r * cols);
+    for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < nv;
+         v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      VT o;
+      if (gg != nullptr) {
+        const VT xv = xr[v];
+#pragma unroll
+        for (int k = 0; k < V; ++k) lane<T, V>(o, k) = mul_rn(c, lane<T, V>(const_cast<VT&>(xv), k));
+        reinterpret_cast<VT*>(gg + r * cols)[v] = o;
+      }
+      if (gx != nullptr) {
+        const VT gv = gr[v];
+#pragma unroll
+        for (int k = 0; k < V; ++k) lane<T, V>(o, k) = mul_rn(c, lane<T, V>(const_cast<VT&>(gv), k));
+        reinterpret_cast<VT*>(gx + r * cols)[v] = o;
+      }
+    }
+  }
+}
+
+// segment_mix over a 2-D grid, 16-byte vectors when every row start is aligned. Each thread
+// takes kItems vectors kThreads apart (coalesced), loads them all before it stores any (so
+// out == a or out == b in place stays safe), finds the segment of its first element by a
+// binary search over the offsets (in shared memory when they fit) and walks forward.
+template <typename T, int V, bool SharedB>
+__global__ void segment_mix_rows_kernel(const T* a, int64_t a_rs, const T* b, int64_t b_rs, T* out, int64_t o_rs,
+                                        const int64_t* off_global, int64_t nseg, const T* lam, int64_t lam_rows,
+                                        int64_t rows, int64_t cols) {
+  using VT = typename VecT<T, V>::type;
   __shared__ int64_t off_shared[kSharedOffsets];
   const int64_t* off = off_global;
   if (nseg + 1 <= kSharedOffsets) {
@@ -169,37 +300,57 @@ __global__ void segment_mix_kernel(const T* a, int64_t a_rs, const T* b, int64_t
     __syncthreads();
     off = off_shared;
   }
-  constexpr int64_t tile = static_cast<int64_t>(kThreads) * kItems;
-  const int64_t tiles_per_row = (cols + tile - 1) / tile;
-  for (int64_t t = blockIdx.x; t < rows * tiles_per_row; t += gridDim.x) {
-    const int64_t r = t / tiles_per_row;
-    const int64_t p_first = (t - r * tiles_per_row) * tile + threadIdx.x;
-    if (p_first >= cols) continue;
-    // Last s with off[s] <= p_first: a binary search once, then a walk for the later items.
-    int64_t lo = 0, hi = nseg - 1;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (off[mid] <= p_first) lo = mid; else hi = mid - 1;
-    }
-    int64_t s = lo;
-    const T* lr = lam + (lam_rows == 1 ? 0 : r) * nseg;
-    T va[kItems], vb[kItems], vl[kItems];
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) {  // every load before any store: in place (out == a) stays safe
-      const int64_t p = p_first + k * kThreads;
-      if (p < cols) {
-        while (off[s + 1] <= p) ++s;
-        vl[k] = lr[s];
-        va[k] = a[r * a_rs + p];
-        vb[k] = b[r * b_rs + p];
+  const int64_t nv = cols / V;
+  const int64_t chunk = static_cast<int64_t>(blockDim.x) * kItems;
+  // SharedB (one b row for every row, e.g. the global state against C clients): the rows loop
+  // runs inside, so each b vector is read once from memory and kept in registers for all
+  // rows (the rows-outside order re-read b per row: 0.70 of copy bandwidth once b left L2).
+  for (int64_t r0 = SharedB ? 0 : blockIdx.y; r0 < (SharedB ? 1 : rows); r0 += gridDim.y) {
+    for (int64_t v0 = blockIdx.x * chunk + threadIdx.x; v0 < nv; v0 += static_cast<int64_t>(gridDim.x) * chunk) {
+      const int64_t p0 = v0 * V;
+      int64_t lo = 0, hi = nseg - 1;  // last s with off[s] <= p0
+      while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (off[mid] <= p0) lo = mid; else hi = mid - 1;
       }
-    }
+      VT vb[kItems];
+      if (SharedB) {
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int64_t p = p_first + k * kThreads;
-      if (p < cols) {
-        const T om = sub_rn(T(1), vl[k]);
-        out[r * o_rs + p] = add_rn(mul_rn(vl[k], va[k]), mul_rn(om, vb[k]));
+        for (int k = 0; k < kItems; ++k) {
+          const int64_t v = v0 + k * static_cast<int64_t>(blockDim.x);
+          if (v < nv) vb[k] = reinterpret_cast<const VT*>(b)[v];
+        }
+      }
+      for (int64_t r = r0; r < (SharedB ? rows : r0 + 1); ++r) {
+        const VT* ar = reinterpret_cast<const VT*>(a + r * a_rs);
+        VT* orow = reinterpret_cast<VT*>(out + r * o_rs);
+        const T* lr = lam + (lam_rows == 1 ? 0 : r) * nseg;
+        int64_t s = lo;
+        VT va[kItems];
+#pragma unroll
+        for (int k = 0; k < kItems; ++k) {  // every load before any store: in place stays safe
+          const int64_t v = v0 + k * static_cast<int64_t>(blockDim.x);
+          if (v < nv) {
+            va[k] = ar[v];
+            if (!SharedB) vb[k] = reinterpret_cast<const VT*>(b + r * b_rs)[v];
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kItems; ++k) {
+          const int64_t v = v0 + k * static_cast<int64_t>(blockDim.x);
+          if (v < nv) {
+            VT o;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+              const int64_t p = v * V + j;
+              while (off[s + 1] <= p) ++s;
+              const T l = lr[s];
+              lane<T, V>(o, j) =
+                  add_rn(mul_rn(l, lane<T, V>(va[k], j)), mul_rn(sub_rn(T(1), l), lane<T, V>(vb[k], j)));
+            }
+            orow[v] = o;
+          }
+        }
       }
     }
   }
@@ -211,7 +362,15 @@ template <typename T>
 cudaError_t launch_mix_forward(MixPair<T> x, MixPair<T> y, T wa, T wb, cudaStream_t stream) {
   const int64_t n = x.rows * x.cols + y.rows * y.cols;
   if (n == 0) return cudaSuccess;
-  mix_forward_kernel<T><<<blocks_for(n, kThreads, kMaxBlocks), kThreads, 0, stream>>>(x, y, wa, wb);
+  constexpr int V = 16 / sizeof(T);
+  const bool vec = x.cols % V == 0 && aligned16(x.out) && aligned16(x.a) && (x.b == nullptr || aligned16(x.b));
+  const int64_t widest = (vec ? x.cols / V : x.cols) > y.cols ? (vec ? x.cols / V : x.cols) : y.cols;
+  const dim3 grid = rows_grid(x.rows + y.rows, widest, kThreads);
+  if (vec) {
+    mix_forward_rows_kernel<T, V><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
+  } else {
+    mix_forward_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
+  }
   return cudaGetLastError();
 }
 
@@ -219,6 +378,21 @@ template <typename T>
 cudaError_t launch_mix_backward(MixPairT<T> x, MixPairT<T> y, T wa, T wb, cudaStream_t stream) {
   const int64_t tiles = (x.cols + kTileCols - 1) / kTileCols + (y.cols + kTileCols - 1) / kTileCols;
   if (tiles == 0) return cudaSuccess;
+  const bool sums = (x.gb != nullptr && x.b_rows == 1) || (y.gb != nullptr && y.b_rows == 1);
+  if (!sums) {  // the common case (the means need no gradient): elementwise rows, vectorised
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = x.cols % V == 0 && aligned16(x.g) && (x.ga == nullptr || aligned16(x.ga)) &&
+                     (x.gb == nullptr || aligned16(x.gb));
+    const int64_t widest = (vec ? x.cols / V : x.cols) > y.cols ? (vec ? x.cols / V : x.cols) : y.cols;
+    const dim3 grid = rows_grid(x.rows + y.rows, widest, kThreads);
+    if (vec) {
+      mix_backward_rows_kernel<T, V><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
+    } else {
+      mix_backward_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
+    }
+    return cudaGetLastError();
+  }
+  // a broadcast mean's gradient sums over rows: column tiles in a fixed order (deterministic)
   mix_backward_kernel<T><<<blocks_for(tiles, 1, kMaxBlocks), dim3(kTileCols, kRowLanes), 0, stream>>>(x, y, wa, wb);
   return cudaGetLastError();
 }
@@ -236,6 +410,18 @@ cudaError_t launch_l3_backward(const T* go, const T* g, const T* xbar, T* gg, T*
                                int64_t x_rows, T lam, cudaStream_t stream) {
   const int64_t tiles = (cols + kTileCols - 1) / kTileCols;
   if (tiles == 0) return cudaSuccess;  // rows == 0 still runs: a broadcast mean's gradient is then 0
+  if (rows > 0 && (gx == nullptr || x_rows != 1)) {  // no column sum: elementwise rows, vectorised
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = cols % V == 0 && aligned16(g) && aligned16(xbar) && (gg == nullptr || aligned16(gg)) &&
+                     (gx == nullptr || aligned16(gx));
+    const dim3 grid = rows_grid(rows, vec ? cols / V : cols, kThreads);
+    if (vec) {
+      l3_backward_rows_kernel<T, V><<<grid, kThreads, 0, stream>>>(go, g, xbar, gg, gx, rows, cols, x_rows, lam);
+    } else {
+      l3_backward_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(go, g, xbar, gg, gx, rows, cols, x_rows, lam);
+    }
+    return cudaGetLastError();
+  }
   l3_backward_kernel<T><<<blocks_for(tiles, 1, kMaxBlocks), dim3(kTileCols, kRowLanes), 0, stream>>>(
       go, g, xbar, gg, gx, rows, cols, x_rows, lam);
   return cudaGetLastError();
@@ -245,10 +431,25 @@ template <typename T>
 cudaError_t launch_segment_mix(const T* a, int64_t a_rs, const T* b, int64_t b_rs, T* out, int64_t o_rs,
                                const int64_t* off, int64_t nseg, const T* lam, int64_t lam_rows, int64_t rows,
                                int64_t cols, cudaStream_t stream) {
-  const int64_t tiles = rows * ((cols + kThreads * kItems - 1) / (kThreads * kItems));
-  if (tiles == 0) return cudaSuccess;
-  segment_mix_kernel<T><<<blocks_for(tiles, 1, kSegBlocks), kThreads, 0, stream>>>(
-      a, a_rs, b, b_rs, out, o_rs, off, nseg, lam, lam_rows, rows, cols);
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  constexpr int V = 16 / sizeof(T);
+  const bool vec = cols % V == 0 && a_rs % V == 0 && b_rs % V == 0 && o_rs % V == 0 && aligned16(a) &&
+                   aligned16(b) && aligned16(out);
+  const bool shared_b = b_rs == 0 && rows > 1;
+  const dim3 grid = rows_grid(shared_b ? 1 : rows, vec ? cols / V : cols, static_cast<int64_t>(kThreads) * kItems);
+#define FEDHPC_SEGMENT_LAUNCH(VW, SB)                                                                           \
+  segment_mix_rows_kernel<T, VW, SB><<<grid, kThreads, 0, stream>>>(a, a_rs, b, b_rs, out, o_rs, off, nseg, lam, \
+                                                                    lam_rows, rows, cols)
+  if (vec && shared_b) {
+    FEDHPC_SEGMENT_LAUNCH(V, true);
+  } else if (vec) {
+    FEDHPC_SEGMENT_LAUNCH(V, false);
+  } else if (shared_b) {
+    FEDHPC_SEGMENT_LAUNCH(1, true);
+  } else {
+    FEDHPC_SEGMENT_LAUNCH(1, false);
+  }
+#undef FEDHPC_SEGMENT_LAUNCH
   return cudaGetLastError();
 }
 
