@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU half of issues 12 and 14, run on a lent device machine from the repository root:
+#   bash benchmarks/gpu/checks.sh [tests] [kernels] [ops] [bench]      (logs under $OUT, default /tmp/fedhpc-gpu)
+# tests: environment, the CUDA extension's JIT build, then on the GPU (the tests' device "auto"
+#        picks it): tests/test_ops.py, tests/test_batched.py, the ranks-sharing-a-GPU tests of
+#        tests/test_distributed.py, tests/test_engine.py
+# ops:   benchmarks/bench_ops.py --device cuda
+# bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; sequential, batched, ranks sharing)
+# The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
+set -u
+OUT=${OUT:-/tmp/fedhpc-gpu}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # build for the card in hand only: a shorter nvcc run
+# the device machine runs commands as root, which Open MPI's mpiexec refuses without these
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+PY=${PY:-python3}
+step() { echo "== $1 ($(date +%T))"; }
+for stage in "${@:-tests}"; do
+case $stage in
+tests)
+  step env
+  { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    $PY -c "import torch,sys;print('torch',torch.__version__,'cuda',torch.version.cuda,torch.cuda.get_device_name(),'python',sys.version.split()[0])"
+    nproc; } 2>&1 | tee "$OUT/env.txt"
+  step "extension build + backends"
+  ( time timeout 300 $PY -m fedhpc.ops ) 2>&1 | tee "$OUT/ops_backend.txt"
+  for t in test_ops test_batched test_distributed test_engine; do
+    sel=(); [ $t = test_distributed ] && sel=(-k "backend or sharing")
+    step "$t ${sel[*]}"
+    timeout 240 $PY -m pytest -q -p no:cacheprovider "tests/$t.py" "${sel[@]}" 2>&1 | tee "$OUT/$t.txt" | tail -12
+  done
+  ;;
+kernels)  # the CUDA ops and the engine on the GPU, quickly
+  ( time timeout 300 $PY -m fedhpc.ops ) 2>&1 | tee "$OUT/ops_backend.txt" | tail -3
+  step test_ops; timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_ops.py 2>&1 | tee "$OUT/test_ops.txt" | tail -12
+  step "test_engine gpu"; timeout 100 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py -k gpu 2>&1 | tail -5
+  ;;
+ops)
+  step bench_ops
+  timeout 300 $PY benchmarks/bench_ops.py --device cuda --repeats 9 2>&1 | tee "$OUT/bench_ops_cuda.txt"
+  ;;
+bench)
+  step bench_gpu
+  timeout 400 $PY benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
+  ;;
+esac
+done
+step done
