@@ -209,17 +209,6 @@ __device__ __forceinline__ void mix_row(const MixPair<T>& p, int64_t r, T wa, T 
   }
 }
 
-template <typename T, int VX>
-__global__ void mix_forward_rows_kernel(MixPair<T> x, MixPair<T> y, T wa, T wb) {
-  for (int64_t r = blockIdx.y; r < x.rows + y.rows; r += gridDim.y) {
-    if (r < x.rows) {
-      mix_row<T, VX>(x, r, wa, wb);
-    } else {
-      mix_row<T, 1>(y, r - x.rows, wa, wb);
-    }
-  }
-}
-
 // ga = wa * g and gb = wb * g row by row (no column sum: b has a row per row of g).
 template <typename T, int V>
 __device__ __forceinline__ void scale_row(const MixPairT<T>& p, int64_t r, T wa, T wb) {
@@ -244,13 +233,24 @@ __device__ __forceinline__ void scale_row(const MixPairT<T>& p, int64_t r, T wa,
   }
 }
 
-template <typename T, int VX>
-__global__ void mix_backward_rows_kernel(MixPairT<T> x, MixPairT<T> y, T wa, T wb) {
+struct MixRow {
+  template <typename T, int V>
+  __device__ static void run(const MixPair<T>& p, int64_t r, T wa, T wb) { mix_row<T, V>(p, r, wa, wb); }
+};
+struct ScaleRow {
+  template <typename T, int V>
+  __device__ static void run(const MixPairT<T>& p, int64_t r, T wa, T wb) { scale_row<T, V>(p, r, wa, wb); }
+};
+
+// The forward and the elementwise backward of a pair of pairs: rows [0, x.rows) are x's, the
+// rest y's; x in VX-wide vectors, y (the labels, few bytes) in scalars.
+template <typename Row, typename Pair, typename T, int VX>
+__global__ void pair_rows_kernel(Pair x, Pair y, T wa, T wb) {
   for (int64_t r = blockIdx.y; r < x.rows + y.rows; r += gridDim.y) {
     if (r < x.rows) {
-      scale_row<T, VX>(x, r, wa, wb);
+      Row::template run<T, VX>(x, r, wa, wb);
     } else {
-      scale_row<T, 1>(y, r - x.rows, wa, wb);
+      Row::template run<T, 1>(y, r - x.rows, wa, wb);
     }
   }
 }
@@ -356,22 +356,28 @@ __global__ void segment_mix_rows_kernel(const T* a, int64_t a_rs, const T* b, in
   }
 }
 
+template <typename Row, typename Pair, typename T>
+cudaError_t launch_pair_rows(const Pair& x, const Pair& y, bool vec, T wa, T wb, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  const int64_t xv = vec ? x.cols / V : x.cols;
+  const dim3 grid = rows_grid(x.rows + y.rows, xv > y.cols ? xv : y.cols, kThreads);
+  if (vec) {
+    pair_rows_kernel<Row, Pair, T, V><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
+  } else {
+    pair_rows_kernel<Row, Pair, T, 1><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 template <typename T>
 cudaError_t launch_mix_forward(MixPair<T> x, MixPair<T> y, T wa, T wb, cudaStream_t stream) {
   const int64_t n = x.rows * x.cols + y.rows * y.cols;
   if (n == 0) return cudaSuccess;
-  constexpr int V = 16 / sizeof(T);
-  const bool vec = x.cols % V == 0 && aligned16(x.out) && aligned16(x.a) && (x.b == nullptr || aligned16(x.b));
-  const int64_t widest = (vec ? x.cols / V : x.cols) > y.cols ? (vec ? x.cols / V : x.cols) : y.cols;
-  const dim3 grid = rows_grid(x.rows + y.rows, widest, kThreads);
-  if (vec) {
-    mix_forward_rows_kernel<T, V><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
-  } else {
-    mix_forward_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
-  }
-  return cudaGetLastError();
+  const bool vec = x.cols % (16 / sizeof(T)) == 0 && aligned16(x.out) && aligned16(x.a) &&
+                   (x.b == nullptr || aligned16(x.b));
+  return launch_pair_rows<MixRow>(x, y, vec, wa, wb, stream);
 }
 
 template <typename T>
@@ -380,17 +386,9 @@ cudaError_t launch_mix_backward(MixPairT<T> x, MixPairT<T> y, T wa, T wb, cudaSt
   if (tiles == 0) return cudaSuccess;
   const bool sums = (x.gb != nullptr && x.b_rows == 1) || (y.gb != nullptr && y.b_rows == 1);
   if (!sums) {  // the common case (the means need no gradient): elementwise rows, vectorised
-    constexpr int V = 16 / sizeof(T);
-    const bool vec = x.cols % V == 0 && aligned16(x.g) && (x.ga == nullptr || aligned16(x.ga)) &&
+    const bool vec = x.cols % (16 / sizeof(T)) == 0 && aligned16(x.g) && (x.ga == nullptr || aligned16(x.ga)) &&
                      (x.gb == nullptr || aligned16(x.gb));
-    const int64_t widest = (vec ? x.cols / V : x.cols) > y.cols ? (vec ? x.cols / V : x.cols) : y.cols;
-    const dim3 grid = rows_grid(x.rows + y.rows, widest, kThreads);
-    if (vec) {
-      mix_backward_rows_kernel<T, V><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
-    } else {
-      mix_backward_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
-    }
-    return cudaGetLastError();
+    return launch_pair_rows<ScaleRow>(x, y, vec, wa, wb, stream);
   }
   // a broadcast mean's gradient sums over rows: column tiles in a fixed order (deterministic)
   mix_backward_kernel<T><<<blocks_for(tiles, 1, kMaxBlocks), dim3(kTileCols, kRowLanes), 0, stream>>>(x, y, wa, wb);
