@@ -24,20 +24,12 @@ using torch::autograd::AutogradContext;
 using torch::autograd::Function;
 using torch::autograd::variable_list;
 
-// (B, ...) -> (B, N): a view when it can be, a copy for non-contiguous inputs.
-Tensor rows(const Tensor& t) {
-  TORCH_CHECK(t.dim() >= 1, "fedhpc ops: tensors need a batch dimension");
-  int64_t cols = 1;  // from the shape, not numel / rows: an empty batch keeps its row length
-  for (int64_t d = 1; d < t.dim(); ++d) cols *= t.size(d);
-  return t.reshape({t.size(0), cols});
-}
-
-Tensor maybe_rows(const Tensor& t) { return t.defined() ? rows(t) : t; }
-
-// A fresh kernel output in its final shape. _unsafe_view: same memory, but not marked as a view,
-// which autograd would otherwise track as a view made under no-grad (refusing in-place use later).
+// A kernel output in its final shape. The kernels read (B, ...) tensors as (B, N) and give the
+// per-sample outputs their input's shape already; only a mean's gradient, made (rows, N), needs a
+// view here. _unsafe_view: same memory, but not marked as a view, which autograd would otherwise
+// track as a view made under no-grad (refusing in-place use later).
 Tensor shaped(const Tensor& t, const std::vector<int64_t>& shape) {
-  return t.defined() ? at::_unsafe_view(t, shape) : t;
+  return t.defined() && t.sizes() != c10::IntArrayRef(shape) ? at::_unsafe_view(t, shape) : t;
 }
 
 Tensor or_zeros(const Tensor& t, const std::vector<int64_t>& shape, const Tensor& like) {
@@ -64,22 +56,32 @@ variable_list unpack(const variable_list& packed, int64_t mask, size_t n) {
   return out;
 }
 
-// What Mix and MixT keep: lambda and the four shapes (xbar's empty when there is none).
+// What Mix and MixT keep: lambda and the four shapes (xbar's empty when there is none). Saved as
+// two entries, the shapes packed into one list (rank, sizes..., four times): every entry is a
+// hashed key and a heap list per call, which a 10-sample batch's microseconds notice.
 struct MixMeta {
   double lam;
   std::vector<int64_t> xs, xbs, ys, ybs;
 
   void save(AutogradContext* ctx) const {
+    std::vector<int64_t> packed;
+    packed.reserve(4 + xs.size() + xbs.size() + ys.size() + ybs.size());
+    for (const auto* shape : {&xs, &xbs, &ys, &ybs}) {
+      packed.push_back(static_cast<int64_t>(shape->size()));
+      packed.insert(packed.end(), shape->begin(), shape->end());
+    }
     ctx->saved_data["lam"] = lam;
-    ctx->saved_data["xs"] = xs;
-    ctx->saved_data["xbs"] = xbs;
-    ctx->saved_data["ys"] = ys;
-    ctx->saved_data["ybs"] = ybs;
+    ctx->saved_data["shapes"] = std::move(packed);
   }
   static MixMeta load(AutogradContext* ctx) {
-    return {ctx->saved_data["lam"].toDouble(), ctx->saved_data["xs"].toIntVector(),
-            ctx->saved_data["xbs"].toIntVector(), ctx->saved_data["ys"].toIntVector(),
-            ctx->saved_data["ybs"].toIntVector()};
+    MixMeta meta{ctx->saved_data["lam"].toDouble(), {}, {}, {}, {}};
+    const auto packed = ctx->saved_data["shapes"].toIntList();
+    size_t at = 0;
+    for (auto* shape : {&meta.xs, &meta.xbs, &meta.ys, &meta.ybs}) {
+      const auto rank = static_cast<size_t>(packed.get(at++));
+      for (size_t d = 0; d < rank; ++d) shape->push_back(packed.get(at++));
+    }
+    return meta;
   }
   bool has_xbar() const { return !xbs.empty(); }
 };
@@ -94,9 +96,8 @@ struct MixFn : public Function<MixFn> {
                        y.sizes().vec(), ybar.sizes().vec()};
     meta.save(ctx);
     ctx->set_materialize_grads(false);  // e.g. the mixed input's gradient alone: no zeros for the labels
-    auto [xm, ym] = mix_forward(rows(x), has_xbar ? std::optional<Tensor>(rows(*xbar)) : std::nullopt, rows(y),
-                                rows(ybar), lam);
-    return {shaped(xm, meta.xs), shaped(ym, meta.ys)};
+    auto [xm, ym] = mix_forward(x, xbar, y, ybar, lam);
+    return {xm, ym};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
@@ -108,7 +109,7 @@ struct MixTFn : public Function<MixTFn> {
     ctx->set_materialize_grads(false);  // a gradient not given stays undefined: treated as zero, not built
     meta.save(ctx);
     ctx->saved_data["mask"] = mask;
-    auto [gx, gxbar, gy, gybar] = mix_backward(rows(gxm), rows(gym), meta.has_xbar() ? meta.xbs[0] : 0,
+    auto [gx, gxbar, gy, gybar] = mix_backward(gxm, gym, meta.has_xbar() ? meta.xbs[0] : 0,
                                                meta.ybs[0], meta.lam, mask & 1, mask & 2, mask & 4, mask & 8);
     return pack({shaped(gx, meta.xs), shaped(gxbar, meta.xbs), shaped(gy, meta.ys), shaped(gybar, meta.ybs)});
   }
@@ -135,7 +136,7 @@ variable_list MixFn::backward(AutogradContext* ctx, variable_list grads) {
     return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
   if (!at::GradMode::is_enabled()) {  // a plain backward (no create_graph): the kernel, no node
-    auto [gx, gxbar, gy, gybar] = mix_backward(maybe_rows(grads[0]), maybe_rows(grads[1]), k ? meta.xbs[0] : 0,
+    auto [gx, gxbar, gy, gybar] = mix_backward(grads[0], grads[1], k ? meta.xbs[0] : 0,
                                                meta.ybs[0], meta.lam, mask & 1, mask & 2, mask & 4, mask & 8);
     return {shaped(gx, meta.xs), shaped(gxbar, meta.xbs), shaped(gy, meta.ys), shaped(gybar, meta.ybs), Tensor()};
   }
@@ -153,7 +154,7 @@ struct L3Fn : public Function<L3Fn> {
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({g, xbar});
     ctx->saved_data["lam"] = lam;
-    return l3_forward(rows(g), rows(xbar), lam);
+    return l3_forward(g, xbar, lam);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
@@ -166,8 +167,8 @@ struct L3TFn : public Function<L3TFn> {
     ctx->save_for_backward({gs, g, xbar});
     ctx->saved_data["lam"] = lam;
     ctx->saved_data["mask"] = mask;
-    auto [gg, gx] = l3_backward(gs, rows(g), rows(xbar), lam, mask & 1, mask & 2);
-    return pack({shaped(gg, g.sizes().vec()), shaped(gx, xbar.sizes().vec())});
+    auto [gg, gx] = l3_backward(gs, g, xbar, lam, mask & 1, mask & 2);  // shaped as g and xbar
+    return pack({gg, gx});
   }
   static variable_list backward(AutogradContext* ctx, variable_list packed) {
     const auto saved = ctx->get_saved_variables();
@@ -201,8 +202,8 @@ variable_list L3Fn::backward(AutogradContext* ctx, variable_list grads) {
   const int64_t mask = (ctx->needs_input_grad(0) ? 1 : 0) | (ctx->needs_input_grad(1) ? 2 : 0);
   if (mask == 0 || !grads[0].defined()) return {Tensor(), Tensor(), Tensor()};
   if (!at::GradMode::is_enabled()) {  // FedMix's loss.backward(): the kernel, no node
-    auto [gg, gx] = l3_backward(grads[0], rows(saved[0]), rows(saved[1]), lam, mask & 1, mask & 2);
-    return {shaped(gg, saved[0].sizes().vec()), shaped(gx, saved[1].sizes().vec()), Tensor()};
+    auto [gg, gx] = l3_backward(grads[0], saved[0], saved[1], lam, mask & 1, mask & 2);
+    return {gg, gx, Tensor()};
   }
   variable_list out = unpack(L3TFn::apply(grads[0].contiguous(), saved[0], saved[1], lam, mask), mask, 2);
   out.push_back(Tensor());
@@ -218,9 +219,7 @@ std::tuple<Tensor, Tensor> mix(const Tensor& x, const std::optional<Tensor>& xba
   const bool has_xbar = xbar.has_value() && xbar->defined();
   if (!at::GradMode::is_enabled() ||
       !(x.requires_grad() || y.requires_grad() || ybar.requires_grad() || (has_xbar && xbar->requires_grad()))) {
-    auto [xm, ym] = mix_forward(rows(x), has_xbar ? std::optional<Tensor>(rows(*xbar)) : std::nullopt, rows(y),
-                                rows(ybar), lam);
-    return {shaped(xm, x.sizes().vec()), shaped(ym, y.sizes().vec())};
+    return mix_forward(x, xbar, y, ybar, lam);
   }
   auto out = MixFn::apply(x, xbar, y, ybar, lam);
   return {out[0], out[1]};
@@ -228,7 +227,7 @@ std::tuple<Tensor, Tensor> mix(const Tensor& x, const std::optional<Tensor>& xba
 
 Tensor l3(const Tensor& g, const Tensor& xbar, double lam) {
   if (!at::GradMode::is_enabled() || !(g.requires_grad() || xbar.requires_grad())) {
-    return l3_forward(rows(g), rows(xbar), lam);
+    return l3_forward(g, xbar, lam);
   }
   return L3Fn::apply(g, xbar, lam);
 }

@@ -2,8 +2,11 @@
 // torch-facing CUDA binding (cuda/ops_cuda.cpp). The maths, the shapes and the
 // pure-PyTorch reference every kernel must agree with are in fedhpc/ops/.
 //
-// Every entry point takes tensors the Python wrapper has already checked and
-// flattened to 2-D (rows, cols); the kernels only see float32 / float64.
+// Every entry point takes contiguous (rows, ...) tensors the Python wrapper has already
+// checked, which the kernels read as (rows, cols) with cols the product of the trailing
+// sizes: no reshape on the way in, outputs allocated in their final shape (each view or
+// reshape is a dispatcher call, a microsecond that a small FedMix batch notices). The
+// kernels only see float32 / float64.
 #pragma once
 
 // ATen's Tensor only: the kernels do not pay for torch/extension.h (pybind, the C++ frontend),
@@ -18,15 +21,24 @@ namespace fedhpc {
 
 using at::Tensor;
 
+// Columns of a (rows, ...) tensor read as (rows, cols): from the shape, so that an empty batch
+// keeps its row length.
+inline int64_t cols_of(const Tensor& t) {
+  int64_t cols = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) cols *= t.size(d);
+  return cols;
+}
+
 // Input and label mixing of FedMix / NaiveMix (one call, both pairs):
 //   xm = (1-lam) x + lam xbar   (xbar undefined: xm = (1-lam) x, FedMix's x')
 //   ym = (1-lam) y + lam ybar
-// x (B, Nx), xbar (1 or B, Nx); y (B, Ny), ybar (1 or B, Ny).
+// x (B, Nx), xbar (1 or B, Nx); y (B, Ny), ybar (1 or B, Ny); outputs shaped as x and y.
 std::tuple<Tensor, Tensor> mix_forward_cpu(const Tensor& x, const Tensor& xbar, const Tensor& y,
                                            const Tensor& ybar, double lam);
 
 // Its transpose: gx = (1-lam) gxm, gxbar = lam gxm summed over the rows xbar was broadcast to
-// (xbar_rows 0: no xbar), same for the labels. need = {x, xbar, y, ybar}; unneeded outputs are undefined.
+// (xbar_rows 0: no xbar), same for the labels. need = {x, xbar, y, ybar}; unneeded outputs are undefined,
+// as are those of an undefined (zero) gxm or gym. gx, gy are shaped as gxm, gym; gxbar, gybar (rows, cols).
 std::tuple<Tensor, Tensor, Tensor, Tensor> mix_backward_cpu(const Tensor& gxm, const Tensor& gym,
                                                             int64_t xbar_rows, int64_t ybar_rows, double lam,
                                                             std::array<bool, 4> need);

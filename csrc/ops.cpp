@@ -23,10 +23,11 @@ namespace fedhpc {
 namespace {
 
 // Bumped whenever a signature below changes; fedhpc/ops/_loader.py refuses another value.
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 
-void check_2d(const Tensor& t, const char* name, const Tensor& like) {
-  TORCH_CHECK(t.dim() == 2, "fedhpc ops: ", name, " must be 2-D (rows, cols), got ", t.dim(), "-D");
+// A (rows, ...) tensor the kernels read as (rows, cols): dtype and device of `like`, float32/64.
+void check_rows(const Tensor& t, const char* name, const Tensor& like) {
+  TORCH_CHECK(t.dim() >= 1, "fedhpc ops: ", name, " needs a batch (row) dimension, got a 0-D tensor");
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), "fedhpc ops: ", name, " has dtype ", t.scalar_type(),
               ", expected ", like.scalar_type());
   TORCH_CHECK(t.device() == like.device(), "fedhpc ops: ", name, " is on ", t.device(), ", expected ",
@@ -35,11 +36,17 @@ void check_2d(const Tensor& t, const char* name, const Tensor& like) {
               "fedhpc ops: only float32 and float64 are built, got ", t.scalar_type());
 }
 
+void check_2d(const Tensor& t, const char* name, const Tensor& like) {
+  TORCH_CHECK(t.dim() == 2, "fedhpc ops: ", name, " must be 2-D (rows, cols), got ", t.dim(), "-D");
+  check_rows(t, name, like);
+}
+
+// b (1 or a's rows, ...) against a (rows, ...), both read as (rows, cols).
 void check_broadcast_rows(const Tensor& b, const Tensor& a, const char* name) {
   TORCH_CHECK(b.size(0) == 1 || b.size(0) == a.size(0), "fedhpc ops: ", name, " must have 1 or ", a.size(0),
               " rows, got ", b.size(0));
-  TORCH_CHECK(b.size(1) == a.size(1), "fedhpc ops: ", name, " has ", b.size(1), " columns, expected ",
-              a.size(1));
+  TORCH_CHECK(cols_of(b) == cols_of(a), "fedhpc ops: ", name, " has ", cols_of(b), " elements per row, expected ",
+              cols_of(a));
 }
 
 // out may be exactly `in` (same memory, same layout: an in-place mix reads each element before
@@ -80,14 +87,14 @@ bool with_cuda() {
 std::tuple<Tensor, Tensor> mix_forward(const Tensor& x_, const std::optional<Tensor>& xbar_, const Tensor& y_,
                                        const Tensor& ybar_, double lam) {
   const Tensor x = x_.contiguous(), y = y_.contiguous(), ybar = ybar_.contiguous();
-  const Tensor xbar = xbar_.has_value() ? xbar_->contiguous() : Tensor();
-  check_2d(x, "x", x);
-  check_2d(y, "y", x);
-  check_2d(ybar, "ybar", x);
+  const Tensor xbar = xbar_.has_value() && xbar_->defined() ? xbar_->contiguous() : Tensor();
+  check_rows(x, "x", x);
+  check_rows(y, "y", x);
+  check_rows(ybar, "ybar", x);
   TORCH_CHECK(y.size(0) == x.size(0), "fedhpc ops: x and y have different batch sizes");
   check_broadcast_rows(ybar, y, "ybar");
   if (xbar.defined()) {
-    check_2d(xbar, "xbar", x);
+    check_rows(xbar, "xbar", x);
     check_broadcast_rows(xbar, x, "xbar");
   }
   if (x.is_cuda()) {
@@ -105,20 +112,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mix_backward(const Tensor& gxm_, cons
                                                         bool need_xbar, bool need_y, bool need_ybar) {
   // An undefined incoming gradient is zero: its pair gets no gradients (autograd reads undefined as 0).
   if (!gxm_.defined() && !gym_.defined()) return {};
-  const auto none = at::empty({0, 0}, (gxm_.defined() ? gxm_ : gym_).options());
   if (!gxm_.defined()) need_x = need_xbar = false, xbar_rows = 0;
   if (!gym_.defined()) need_y = need_ybar = false, ybar_rows = 1;
-  const Tensor gxm = gxm_.defined() ? gxm_.contiguous() : none;
-  const Tensor gym = gym_.defined() ? gym_.contiguous() : none;
-  check_2d(gxm, "grad_xm", gxm);
-  check_2d(gym, "grad_ym", gxm);
+  const Tensor gxm = gxm_.defined() ? gxm_.contiguous() : Tensor();
+  const Tensor gym = gym_.defined() ? gym_.contiguous() : Tensor();
+  const Tensor& like = gxm.defined() ? gxm : gym;
+  if (gxm.defined()) check_rows(gxm, "grad_xm", like);
+  if (gym.defined()) check_rows(gym, "grad_ym", like);
   TORCH_CHECK(xbar_rows == 0 || xbar_rows == 1 || xbar_rows == gxm.size(0), "fedhpc ops: bad xbar_rows");
-  TORCH_CHECK(ybar_rows == 1 || ybar_rows == gym.size(0), "fedhpc ops: bad ybar_rows");
-  TORCH_CHECK(!gxm_.defined() || !gym_.defined() || gxm.size(0) == gym.size(0), "fedhpc ops: batch sizes differ");
+  TORCH_CHECK(!gym.defined() || ybar_rows == 1 || ybar_rows == gym.size(0), "fedhpc ops: bad ybar_rows");
+  TORCH_CHECK(!gxm.defined() || !gym.defined() || gxm.size(0) == gym.size(0), "fedhpc ops: batch sizes differ");
   const std::array<bool, 4> need{need_x, need_xbar, need_y, need_ybar};
-  if (gxm.is_cuda()) {
+  if (like.is_cuda()) {
 #ifdef FEDHPC_WITH_CUDA
-    return mix_backward_cuda(gxm, gym, xbar_rows, ybar_rows, lam, need);
+    // The CUDA launcher takes both pairs; a zero gradient is an empty one there.
+    const auto none = at::empty({0, 0}, like.options());
+    return mix_backward_cuda(gxm.defined() ? gxm : none, gym.defined() ? gym : none, xbar_rows, ybar_rows, lam,
+                             need);
 #else
     no_cuda();
 #endif
@@ -128,8 +138,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mix_backward(const Tensor& gxm_, cons
 
 Tensor l3_forward(const Tensor& g_, const Tensor& xbar_, double lam) {
   const Tensor g = g_.contiguous(), xbar = xbar_.contiguous();
-  check_2d(g, "g", g);
-  check_2d(xbar, "xbar", g);
+  check_rows(g, "g", g);
+  check_rows(xbar, "xbar", g);
   check_broadcast_rows(xbar, g, "xbar");
   if (g.is_cuda()) {
 #ifdef FEDHPC_WITH_CUDA
@@ -144,8 +154,8 @@ Tensor l3_forward(const Tensor& g_, const Tensor& xbar_, double lam) {
 std::tuple<Tensor, Tensor> l3_backward(const Tensor& go_, const Tensor& g_, const Tensor& xbar_, double lam,
                                        bool need_g, bool need_xbar) {
   const Tensor go = go_.contiguous(), g = g_.contiguous(), xbar = xbar_.contiguous();
-  check_2d(g, "g", g);
-  check_2d(xbar, "xbar", g);
+  check_rows(g, "g", g);
+  check_rows(xbar, "xbar", g);
   check_broadcast_rows(xbar, g, "xbar");
   TORCH_CHECK(go.dim() == 1 && go.size(0) == g.size(0) && go.scalar_type() == g.scalar_type() &&
                   go.device() == g.device(),

@@ -231,6 +231,32 @@ def test_segment_mix_of_many_clients_against_a_large_shared_state(dtype):
         assert torch.equal(ops.segment_mix(b, a, off, lam), reference.segment_mix(b, a, off, lam))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [True, False])
+def test_streamed_segment_mix_with_segments_shorter_than_a_vector(dtype, shared):
+    """The streamed path (outputs of 16 MiB and more) keeps whole-vector stores across segment
+    boundaries, assembling a vector lane by lane where segments end inside it: runs of empty,
+    1..9-element and long segments, per-client coefficients, rows off the vector grid (odd row
+    length, output one element past an aligned allocation), tiled (one shared state) and flat."""
+    native_or_skip()
+    gen = torch.Generator().manual_seed(13)
+    size = torch.tensor([], dtype=dtype).element_size()
+    p = (9 << 20) // size + 7
+    tiny = torch.randint(0, 10, (3000,), generator=gen).tolist()
+    lengths = tiny[:1500] + [p // 3] + tiny[1500:]
+    lengths.append(p - sum(lengths))
+    off = ops.segment_offsets(lengths)
+    rows = 3
+    a = rand((rows, p), dtype, gen)
+    b = rand(p, dtype, gen) if shared else rand((rows, p), dtype, gen)
+    lam = rand((rows, len(lengths)), dtype, gen)
+    buf = torch.empty(rows * p + 1, dtype=dtype)
+    out = buf[1:].view(rows, p)
+    with ops.prefer("native"):
+        ops.segment_mix(a, b, off, lam, out=out)
+    assert torch.equal(out, reference.segment_mix(a, b, off, lam))
+
+
 def test_segment_mix_rejects_bad_input():
     off = ops.segment_offsets([2, 3])
     a, b = torch.rand(2, 5), torch.rand(5)
@@ -248,6 +274,16 @@ def test_segment_mix_rejects_bad_input():
                 ops.segment_mix(a, torch.rand(3, 5), off, torch.rand(2))
             with pytest.raises(ValueError, match="out must be"):
                 ops.segment_mix(a, b, off, torch.rand(2), out=torch.empty(5))
+            # offsets are checked once per content: an in-place change after a good call is caught
+            changed = off.clone()
+            ops.segment_mix(a, b, changed, torch.rand(2))
+            changed[1] = 6
+            with pytest.raises(ValueError, match="from 0 to P"):
+                ops.segment_mix(a, b, changed, torch.rand(2))
+            changed[1] = 2
+            ops.segment_mix(a, b, changed, torch.rand(2))
+            with pytest.raises(ValueError, match="from 0 to P"):  # the same, checked tensor on a smaller state
+                ops.segment_mix(torch.rand(2, 4), torch.rand(4), changed, torch.rand(2))
     if ops.native().module is not None:  # a partial overlap would race in the parallel kernel
         buf = torch.rand(2, 6)
         with ops.prefer("native"), pytest.raises(RuntimeError, match="overlap"):

@@ -17,7 +17,7 @@
 #include <ATen/ops/empty_like.h>
 
 #if defined(__x86_64__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 
 #include <algorithm>
@@ -99,28 +99,96 @@ FEDHPC_LOOPS(double)
 // Out-of-place mixes larger than the caches: the same arithmetic (two rounded products, one
 // rounded sum) with non-temporal stores, as memcpy does past its threshold. The output then
 // bypasses the cache instead of being read in first (write-allocate), a third less memory
-// traffic; a state that large is not read back soon. SSE2 is the x86-64 baseline, so this needs
-// no dispatch, and 16 bytes per store saturate memory bandwidth.
+// traffic; a state that large is not read back soon.
+//
+// Every cache line of the output must be written whole by non-temporal stores: a line that
+// mixes them with ordinary stores, or is left partly written, costs a read-modify-write in
+// memory. Layer boundaries fall anywhere, so the stream does not stop at them: runs of whole
+// vectors inside one segment take that segment's coefficient, and a vector straddling a
+// boundary is assembled lane by lane (each lane with its own segment's coefficient, the same
+// arithmetic) and stored whole. Per-segment streams measured 0.73-0.80 of copy bandwidth on one
+// thread (8 clients x 4M, 1000 segments); the continuous stream is about a quarter faster.
+// 32-byte stores where AVX is present (picked once at load), SSE2's 16-byte ones otherwise.
 constexpr int64_t kStreamBytes = int64_t{16} << 20;
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__GNUC__)
 #define FEDHPC_STREAM 1
-inline void axpby_stream(float* o, const float* a, const float* b, float wa, float wb, int64_t n) {
-  int64_t i = 0;
-  for (; i < n && (reinterpret_cast<uintptr_t>(o + i) & 15) != 0; ++i) o[i] = wa * a[i] + wb * b[i];
+#define FEDHPC_AVX __attribute__((target("avx")))
+
+// o[0, n) = wa * a + wb * b, o aligned to the vector, n a multiple of its lanes.
+FEDHPC_AVX void stream_run_avx(float* o, const float* a, const float* b, float wa, float wb, int64_t n) {
+  const __m256 va = _mm256_set1_ps(wa), vb = _mm256_set1_ps(wb);
+  for (int64_t i = 0; i < n; i += 8) {
+    _mm256_stream_ps(o + i, _mm256_add_ps(_mm256_mul_ps(va, _mm256_loadu_ps(a + i)), _mm256_mul_ps(vb, _mm256_loadu_ps(b + i))));
+  }
+}
+FEDHPC_AVX void stream_run_avx(double* o, const double* a, const double* b, double wa, double wb, int64_t n) {
+  const __m256d va = _mm256_set1_pd(wa), vb = _mm256_set1_pd(wb);
+  for (int64_t i = 0; i < n; i += 4) {
+    _mm256_stream_pd(o + i, _mm256_add_pd(_mm256_mul_pd(va, _mm256_loadu_pd(a + i)), _mm256_mul_pd(vb, _mm256_loadu_pd(b + i))));
+  }
+}
+void stream_run_sse(float* o, const float* a, const float* b, float wa, float wb, int64_t n) {
   const __m128 va = _mm_set1_ps(wa), vb = _mm_set1_ps(wb);
-  for (; i + 4 <= n; i += 4) {
+  for (int64_t i = 0; i < n; i += 4) {
     _mm_stream_ps(o + i, _mm_add_ps(_mm_mul_ps(va, _mm_loadu_ps(a + i)), _mm_mul_ps(vb, _mm_loadu_ps(b + i))));
   }
-  for (; i < n; ++i) o[i] = wa * a[i] + wb * b[i];
 }
-inline void axpby_stream(double* o, const double* a, const double* b, double wa, double wb, int64_t n) {
-  int64_t i = 0;
-  for (; i < n && (reinterpret_cast<uintptr_t>(o + i) & 15) != 0; ++i) o[i] = wa * a[i] + wb * b[i];
+void stream_run_sse(double* o, const double* a, const double* b, double wa, double wb, int64_t n) {
   const __m128d va = _mm_set1_pd(wa), vb = _mm_set1_pd(wb);
-  for (; i + 2 <= n; i += 2) {
+  for (int64_t i = 0; i < n; i += 2) {
     _mm_stream_pd(o + i, _mm_add_pd(_mm_mul_pd(va, _mm_loadu_pd(a + i)), _mm_mul_pd(vb, _mm_loadu_pd(b + i))));
   }
-  for (; i < n; ++i) o[i] = wa * a[i] + wb * b[i];
+}
+// One assembled vector t (aligned) stored to o.
+FEDHPC_AVX void stream_one_avx(float* o, const float* t) { _mm256_stream_ps(o, _mm256_load_ps(t)); }
+FEDHPC_AVX void stream_one_avx(double* o, const double* t) { _mm256_stream_pd(o, _mm256_load_pd(t)); }
+void stream_one_sse(float* o, const float* t) { _mm_stream_ps(o, _mm_load_ps(t)); }
+void stream_one_sse(double* o, const double* t) { _mm_stream_pd(o, _mm_load_pd(t)); }
+
+template <typename T>
+struct Streamer {
+  int64_t lanes;
+  void (*run)(T*, const T*, const T*, T, T, int64_t);
+  void (*one)(T*, const T*);
+};
+
+template <typename T>
+Streamer<T> streamer() {
+  static const bool avx = __builtin_cpu_supports("avx");
+  if (avx) return {int64_t{32} / int64_t{sizeof(T)}, &stream_run_avx, &stream_one_avx};
+  return {int64_t{16} / int64_t{sizeof(T)}, &stream_run_sse, &stream_one_sse};
+}
+
+// Row [p, stop) of out = l_seg * a + (1 - l_seg) * b, s the segment holding p, in one stream.
+template <typename T>
+void segment_stream(const Streamer<T>& v, T* o, const T* a, const T* b, const T* lam, const int64_t* off, int64_t s,
+                    int64_t p, int64_t stop) {
+  const int64_t w = v.lanes;
+  auto mixed = [&](int64_t& seg, int64_t i) {
+    while (off[seg + 1] <= i) ++seg;
+    const T l = lam[seg];
+    return l * a[i] + (T(1) - l) * b[i];
+  };
+  int64_t i = p;
+  // Ordinary stores up to the first aligned vector and after the last: only at the ends of a
+  // task's range (tile or row), never at segment boundaries.
+  for (; i < stop && reinterpret_cast<uintptr_t>(o + i) % (w * sizeof(T)) != 0; ++i) o[i] = mixed(s, i);
+  while (i + w <= stop) {
+    while (off[s + 1] <= i) ++s;
+    const int64_t seg_end = std::min(off[s + 1], stop);
+    if (seg_end >= i + w) {
+      const int64_t n = (seg_end - i) / w * w;
+      v.run(o + i, a + i, b + i, lam[s], T(1) - lam[s], n);
+      i += n;
+    } else {
+      alignas(32) T t[32 / sizeof(T)];
+      int64_t seg = s;
+      for (int64_t k = 0; k < w; ++k) t[k] = mixed(seg, i + k);
+      v.one(o + i, t);
+      i += w;
+    }
+  }
+  for (; i < stop; ++i) o[i] = mixed(s, i);
 }
 #endif
 
@@ -175,7 +243,7 @@ void parallel_cols(int64_t rows, int64_t cols, const F& fn) {
 // out (rows, cols) = wa * a + wb * b[row or 0]; b undefined: out = wa * a.
 template <typename T>
 void mix_pair(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, T wa, T wb) {
-  const int64_t rows = a.size(0), cols = a.size(1);
+  const int64_t rows = a.size(0), cols = cols_of(a);
   T* o = out.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
   if (!b.defined()) {
@@ -196,7 +264,8 @@ void mix_pair(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, T
 // and scales after: the same order is kept here.
 template <typename T>
 void mix_pair_transpose(const at::Tensor& g, const at::Tensor& ga, const at::Tensor& gb, T wa, T wb) {
-  const int64_t rows = g.size(0), cols = g.size(1);
+  if (!g.defined()) return;  // a zero incoming gradient: nothing asked of this pair
+  const int64_t rows = g.size(0), cols = cols_of(g);
   const T* gp = g.data_ptr<T>();
   T* gap = ga.defined() ? ga.data_ptr<T>() : nullptr;
   T* gbp = gb.defined() ? gb.data_ptr<T>() : nullptr;
@@ -242,13 +311,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mix_backward_cpu(const Tensor& gxm, c
                                                             int64_t xbar_rows, int64_t ybar_rows, double lam,
                                                             std::array<bool, 4> need) {
   auto grads = [](const Tensor& g, int64_t b_rows, bool need_a, bool need_b) {
+    if (!g.defined()) return std::make_pair(Tensor(), Tensor());
     Tensor ga = need_a ? at::empty_like(g) : Tensor();
-    Tensor gb = (need_b && b_rows > 0) ? at::empty({b_rows, g.size(1)}, g.options()) : Tensor();
+    Tensor gb = (need_b && b_rows > 0) ? at::empty({b_rows, cols_of(g)}, g.options()) : Tensor();
     return std::make_pair(ga, gb);
   };
   auto [gx, gxbar] = grads(gxm, xbar_rows, need[0], need[1]);
   auto [gy, gybar] = grads(gym, ybar_rows, need[2], need[3]);
-  AT_DISPATCH_FLOATING_TYPES(gxm.scalar_type(), "fedhpc_mix_backward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES((gxm.defined() ? gxm : gym).scalar_type(), "fedhpc_mix_backward_cpu", [&] {
     const scalar_t wa = static_cast<scalar_t>(1.0 - lam), wb = static_cast<scalar_t>(lam);
     mix_pair_transpose<scalar_t>(gxm, gx, gxbar, wa, wb);
     mix_pair_transpose<scalar_t>(gym, gy, gybar, wa, wb);
@@ -257,7 +327,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mix_backward_cpu(const Tensor& gxm, c
 }
 
 Tensor l3_forward_cpu(const Tensor& g, const Tensor& xbar, double lam) {
-  const int64_t rows = g.size(0), cols = g.size(1);
+  const int64_t rows = g.size(0), cols = cols_of(g);
   Tensor s = at::empty({rows}, g.options());
   const int64_t nblk = std::max<int64_t>(1, (cols + kDotBlock - 1) / kDotBlock);
   std::vector<double> part(rows * nblk, 0.0);
@@ -283,7 +353,7 @@ Tensor l3_forward_cpu(const Tensor& g, const Tensor& xbar, double lam) {
 
 std::tuple<Tensor, Tensor> l3_backward_cpu(const Tensor& go, const Tensor& g, const Tensor& xbar, double lam,
                                            bool need_g, bool need_xbar) {
-  const int64_t rows = g.size(0), cols = g.size(1), x_rows = xbar.size(0);
+  const int64_t rows = g.size(0), cols = cols_of(g), x_rows = xbar.size(0);
   Tensor gg = need_g ? at::empty_like(g) : Tensor();
   Tensor gx = need_xbar ? at::empty_like(xbar) : Tensor();
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "fedhpc_l3_backward_cpu", [&] {
@@ -339,22 +409,24 @@ void segment_mix_cpu(const Tensor& a, const Tensor& b, const Tensor& offsets, co
 #else
     const bool stream = false;
 #endif
+#ifdef FEDHPC_STREAM
+    const Streamer<scalar_t> streamed = streamer<scalar_t>();
+#endif
     // Mixes row r over [p, stop): a walk over the segments that range crosses.
     auto run = [&](int64_t r, int64_t p, int64_t stop) {
       // The segment holding p: the last s with off[s] <= p (empty segments are skipped by construction).
       int64_t s = std::upper_bound(off, off + nseg + 1, p) - off - 1;
+#ifdef FEDHPC_STREAM
+      if (stream) {
+        segment_stream(streamed, op + r * o_rs, ap + r * a_rs, bp + r * b_rs, lp + r * l_rs, off, s, p, stop);
+        return;
+      }
+#endif
       while (p < stop) {
         while (off[s + 1] <= p) ++s;
         const int64_t e = std::min(off[s + 1], stop);
         const scalar_t l = lp[r * l_rs + s];
         const scalar_t om = scalar_t(1) - l;  // rounded as the reference's (1 - lam)
-#ifdef FEDHPC_STREAM
-        if (stream) {
-          axpby_stream(op + r * o_rs + p, ap + r * a_rs + p, bp + r * b_rs + p, l, om, e - p);
-          p = e;
-          continue;
-        }
-#endif
         axpby(op + r * o_rs + p, ap + r * a_rs + p, bp + r * b_rs + p, l, om, e - p);
         p = e;
       }

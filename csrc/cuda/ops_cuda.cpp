@@ -1,6 +1,6 @@
 // Torch-facing side of the CUDA kernels: allocates outputs, picks the current stream and device,
 // and calls the plain-CUDA launchers of mix_kernels.cu. Built only when torch has CUDA
-// (FEDHPC_WITH_CUDA); the shapes arrive checked by ops.cpp.
+// (FEDHPC_WITH_CUDA); the shapes arrive checked by ops.cpp, as (rows, ...) tensors read as (rows, cols).
 #include "../fedhpc_ops.h"
 #include "mix_kernels.cuh"
 
@@ -16,14 +16,14 @@ namespace {
 
 template <typename T>
 cuda::MixPair<T> pair(const Tensor& out, const Tensor& a, const Tensor& b) {
-  return {out.data_ptr<T>(), a.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, a.size(0), a.size(1),
+  return {out.data_ptr<T>(), a.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, a.size(0), cols_of(a),
           b.defined() ? b.size(0) : 0};
 }
 
 template <typename T>
 cuda::MixPairT<T> pair_t(const Tensor& g, const Tensor& ga, const Tensor& gb, int64_t b_rows) {
   return {g.data_ptr<T>(), ga.defined() ? ga.data_ptr<T>() : nullptr, gb.defined() ? gb.data_ptr<T>() : nullptr,
-          g.size(0), g.size(1), b_rows};
+          g.size(0), cols_of(g), b_rows};
 }
 
 cudaStream_t stream_of(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
@@ -47,9 +47,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mix_backward_cuda(const Tensor& gxm, 
                                                              std::array<bool, 4> need) {
   const c10::cuda::CUDAGuard guard(gxm.device());
   Tensor gx = need[0] ? at::empty_like(gxm) : Tensor();
-  Tensor gxbar = need[1] && xbar_rows > 0 ? at::empty({xbar_rows, gxm.size(1)}, gxm.options()) : Tensor();
+  Tensor gxbar = need[1] && xbar_rows > 0 ? at::empty({xbar_rows, cols_of(gxm)}, gxm.options()) : Tensor();
   Tensor gy = need[2] ? at::empty_like(gym) : Tensor();
-  Tensor gybar = need[3] ? at::empty({ybar_rows, gym.size(1)}, gym.options()) : Tensor();
+  Tensor gybar = need[3] ? at::empty({ybar_rows, cols_of(gym)}, gym.options()) : Tensor();
   AT_DISPATCH_FLOATING_TYPES(gxm.scalar_type(), "fedhpc_mix_backward_cuda", [&] {
     C10_CUDA_CHECK(cuda::launch_mix_backward<scalar_t>(
         pair_t<scalar_t>(gxm, gx, gxbar, xbar_rows), pair_t<scalar_t>(gym, gy, gybar, ybar_rows),
@@ -63,7 +63,7 @@ Tensor l3_forward_cuda(const Tensor& g, const Tensor& xbar, double lam) {
   Tensor s = at::empty({g.size(0)}, g.options());
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "fedhpc_l3_forward_cuda", [&] {
     C10_CUDA_CHECK(cuda::launch_l3_forward<scalar_t>(g.data_ptr<scalar_t>(), xbar.data_ptr<scalar_t>(),
-                                                     s.data_ptr<scalar_t>(), g.size(0), g.size(1), xbar.size(0),
+                                                     s.data_ptr<scalar_t>(), g.size(0), cols_of(g), xbar.size(0),
                                                      static_cast<scalar_t>(lam), stream_of(g)));
   });
   return s;
@@ -78,7 +78,7 @@ std::tuple<Tensor, Tensor> l3_backward_cuda(const Tensor& go, const Tensor& g, c
     C10_CUDA_CHECK(cuda::launch_l3_backward<scalar_t>(
         go.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), xbar.data_ptr<scalar_t>(),
         need_g ? gg.data_ptr<scalar_t>() : nullptr, need_xbar ? gx.data_ptr<scalar_t>() : nullptr, g.size(0),
-        g.size(1), xbar.size(0), static_cast<scalar_t>(lam), stream_of(g)));
+        cols_of(g), xbar.size(0), static_cast<scalar_t>(lam), stream_of(g)));
   });
   return {gg, gx};
 }

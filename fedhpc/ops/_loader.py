@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..io import atomic_write_text
 from . import _sources as src
 
-ABI_VERSION = 2          # must equal kAbiVersion in csrc/ops.cpp
+ABI_VERSION = 3          # must equal kAbiVersion in csrc/ops.cpp
 NATIVE_DTYPES = (torch.float32, torch.float64)
 
 
@@ -145,10 +145,14 @@ def for_tensors(*tensors: Optional[torch.Tensor]) -> Optional[ModuleType]:
         return None
     first = tensors[0]
     dtype, device = first.dtype, first.device
-    usable = dtype in NATIVE_DTYPES and device.type in ("cpu", "cuda") and all(
-        t is None or (t.dtype == dtype and t.device == device) for t in tensors)
+    # A plain loop, not all(<generator>): this runs before every FedMix step's ops, and the
+    # generator alone was half of its 1.8 us.
+    usable = dtype in NATIVE_DTYPES and (first.is_cpu or first.is_cuda)
+    for t in tensors:
+        if t is not None and usable and (t.dtype != dtype or t.device != device):
+            usable = False
     nat = _native if _native is not None else (native() if usable or _preferred == "native" else None)
-    if usable and nat.module is not None and (device.type == "cpu" or nat.with_cuda):
+    if usable and nat.module is not None and (first.is_cpu or nat.with_cuda):
         return nat.module
     if _preferred == "native":
         raise RuntimeError(f"fedhpc.ops: no native kernel for {dtype} on {device} "
