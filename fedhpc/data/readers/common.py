@@ -1,0 +1,425 @@
+"""What every reader shares: options, the reader base class, assembly into a federated dataset."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ...errors import ConfigError, DataError
+from ..augment import ImageTransform
+from ..base import ArrayFederatedData, FederatedData
+from ..formats import Published
+from ..partition import make_partition, register_partition
+from ..store import STORE_FORMAT, ArrayClients, StreamedClients, open_or_build_store, store_file_name, write_store
+
+#: model each dataset trains by default (``--model auto``), as in the papers fedhpc reproduces:
+#: LeNet-5 for 28x28 characters, FedMix's VGG for CIFAR-10, FedAlign's ResNet-56 for CIFAR-100
+#: and ResNet-18 for ImageNet-200, the 2-layer character LSTM for Shakespeare.
+DEFAULT_MODELS = {
+    "mnist": "lenet5", "fmnist": "lenet5", "emnist": "lenet5", "femnist": "lenet5",
+    "cifar10": "vgg_fedmix", "cifar100": "resnet56", "cifar100_tff": "resnet56",
+    "imagenet200": "resnet18", "shakespeare": "lstm_char",
+}
+
+#: a natural writer needs this many samples to have a training row after its local test split
+MIN_CLIENT_SAMPLES = 2
+
+# Per-channel mean / std of the training sets, in [0, 1] pixel units.
+MNIST_STATS = ((0.1307,), (0.3081,))
+FMNIST_STATS = ((0.2860,), (0.3530,))
+EMNIST_STATS = ((0.1751,), (0.3332,))
+CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+CIFAR100_STATS = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
+IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+#: LEAF's 80-character Shakespeare vocabulary; id = position. Other characters map to ' '.
+SHAKESPEARE_VOCAB = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+_CHAR_IDS = np.full(256, SHAKESPEARE_VOCAB.index(" "), dtype=np.uint8)
+for _i, _ch in enumerate(SHAKESPEARE_VOCAB):
+    _CHAR_IDS[ord(_ch)] = _i
+
+
+@register_partition("natural", " (one client per writer; femnist, cifar100_tff, shakespeare)")
+def _natural_needs_writers(labels, n, rng, arg):
+    raise DataError(
+        "partition 'natural' keeps each writer's data as one client, so it needs a naturally "
+        "federated dataset (femnist, cifar100_tff, shakespeare); for this dataset use iid, "
+        "dirichlet:ALPHA, classes:K or skewed:M:A:B"
+    )
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass
+class StoreOptions:
+    #: where clients live during the run: auto | memory | hdf5 (per-client store read lazily)
+    store: str = "auto"
+    #: folder for built client stores (default <data_dir>/fedhpc_stores); must be writable once
+    store_dir: str = ""
+    #: store=auto uses hdf5 when the training pool is larger than this many MiB
+    store_threshold_mb: float = 256.0
+    #: folder holding the dataset's files (default: a dataset-specific folder under --data-dir)
+    dir: str = ""
+
+    def validate(self):
+        if self.store not in ("auto", "memory", "hdf5"):
+            raise ConfigError(f"data option store must be auto, memory or hdf5, got {self.store!r}")
+        if not self.store_threshold_mb >= 0:
+            raise ConfigError(f"data option store_threshold_mb must be >= 0, got {self.store_threshold_mb}")
+        crop = getattr(self, "crop_padding", 0)
+        if crop < 0:
+            raise ConfigError(f"data option crop_padding must be >= 0 (0 = no random crop), got {crop}")
+
+
+#: options that change only how data is fed, not what a store holds
+_RUNTIME_ONLY_OPTIONS = {"store", "store_dir", "store_threshold_mb", "dir", "normalize", "crop_padding", "flip"}
+
+
+@dataclass
+class MnistOptions(StoreOptions):
+    #: subtract the training mean / divide by the std per channel
+    normalize: bool = True
+    #: random-crop padding in pixels on training batches (0 = off)
+    crop_padding: int = 0
+    #: random horizontal flips on training batches
+    flip: bool = False
+
+
+@dataclass
+class FmnistOptions(MnistOptions):
+    pass
+
+
+EMNIST_CLASSES = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10, "mnist": 10}
+
+
+@dataclass
+class EmnistOptions(MnistOptions):
+    #: byclass | bymerge | balanced | letters | digits | mnist
+    split: str = "balanced"
+
+    def validate(self):
+        super().validate()
+        if self.split not in EMNIST_CLASSES:
+            raise ConfigError(f"emnist split must be one of {sorted(EMNIST_CLASSES)}, got {self.split!r}")
+
+
+@dataclass
+class Cifar10Options(MnistOptions):
+    crop_padding: int = 4
+    flip: bool = True
+
+
+@dataclass
+class Cifar100Options(Cifar10Options):
+    #: use the 20 coarse superclasses instead of the 100 fine labels
+    coarse: bool = False
+
+
+@dataclass
+class FemnistOptions(MnistOptions):
+    #: auto (TFF HDF5 if present, else LEAF JSON) | tff | leaf
+    source: str = "auto"
+    #: TFF's digits-only files (fed_emnist_digitsonly_*.h5, 10 classes)
+    only_digits: bool = False
+    #: TFF and LEAF store white background (1.0) and dark ink; invert to MNIST's convention
+    invert: bool = True
+    #: FEMNIST is usually fed as raw [0, 1] pixels
+    normalize: bool = False
+
+    def validate(self):
+        super().validate()
+        if self.source not in ("auto", "tff", "leaf"):
+            raise ConfigError(f"femnist source must be auto, tff or leaf, got {self.source!r}")
+        if self.only_digits and self.source == "leaf":
+            raise ConfigError("femnist only_digits reads TFF's digits-only files; use source=tff or auto")
+
+
+@dataclass
+class Cifar100TffOptions(Cifar100Options):
+    pass
+
+
+@dataclass
+class ShakespeareOptions(StoreOptions):
+    #: auto (TFF HDF5 if present, else LEAF JSON) | tff | leaf
+    source: str = "auto"
+    #: characters per input sequence; targets are the next character at every position
+    seq_len: int = 80
+
+    def validate(self):
+        super().validate()
+        if self.source not in ("auto", "tff", "leaf"):
+            raise ConfigError(f"shakespeare source must be auto, tff or leaf, got {self.source!r}")
+        if self.seq_len < 1:
+            raise ConfigError(f"shakespeare seq_len must be positive, got {self.seq_len}")
+
+
+@dataclass
+class Imagenet200Options(Cifar10Options):
+    #: the HDF5 written by `python -m fedhpc.data.prepare imagenet200` (relative to --data-dir)
+    file: str = "imagenet200.h5"
+    crop_padding: int = 8
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def require_data_dir(cfg, dataset: str, expected: str) -> str:
+    data_dir = getattr(cfg, "data_dir", "") or ""
+    if not data_dir:
+        raise ConfigError(
+            f"dataset {dataset!r} reads its files from --data-dir; pass --data-dir DIR, the folder "
+            f"holding {expected}"
+        )
+    return data_dir
+
+
+def resolve_partition(spec: Optional[str], natural: bool) -> str:
+    spec = (spec or "").strip()
+    if spec.lower() in ("", "auto", "default"):
+        return "natural" if natural else "iid"
+    if spec.lower() == "natural":
+        return "natural"
+    return spec
+
+
+def encode_chars(text: str) -> np.ndarray:
+    """Characters -> uint8 ids of :data:`SHAKESPEARE_VOCAB` (out-of-vocabulary -> ' ')."""
+    points = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+    return _CHAR_IDS[np.minimum(points, 255)]
+
+
+def char_sequences(ids: np.ndarray, seq_len: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Cut a character stream into non-overlapping windows: x = ids[kL:kL+L], y = ids[kL+1:kL+L+1]."""
+    n = max((len(ids) - 1) // seq_len, 0)
+    x = ids[: n * seq_len].reshape(n, seq_len)
+    y = ids[1: n * seq_len + 1].reshape(n, seq_len)
+    return x.copy(), y.copy()
+
+
+def pixels_to_uint8(pixels: np.ndarray, invert: bool) -> np.ndarray:
+    p = np.asarray(pixels, dtype=np.float32)
+    if invert:
+        p = 1.0 - p
+    return np.clip(np.rint(p * 255.0), 0, 255).astype(np.uint8)
+
+
+def check_labels(y: np.ndarray, num_classes: int, where: str, published: Published) -> None:
+    if y.size and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise DataError(
+            f"{where} has labels in [{int(y.min())}, {int(y.max())}] but the dataset has {num_classes} "
+            f"classes; the file is corrupt or from another dataset ({published.where()})"
+        )
+
+
+def fingerprint(paths: List[str]) -> List[List[Any]]:
+    """(name, size, mtime) of every source file: a store is rebuilt when its sources change."""
+    out = []
+    for p in sorted(paths):
+        st = os.stat(p)
+        out.append([os.path.basename(p), int(st.st_size), int(st.st_mtime_ns)])
+    return out
+
+
+def image_transform(opts, stats) -> ImageTransform:
+    mean, std = stats if opts.normalize else (None, None)
+    return ImageTransform(mean=mean, std=std, crop_padding=opts.crop_padding, flip=opts.flip)
+
+
+# --------------------------------------------------------------------------- reader base
+
+
+@dataclass
+class Pool:
+    """A dataset's training pool and global test set, before the partition."""
+
+    x: Any  # (N, ...) numpy array, or an h5py dataset when only a store is built from it
+    y: np.ndarray
+    x_test: Any
+    y_test: np.ndarray
+    #: one label per sample for synthetic partitions (the targets for classification)
+    part_labels: np.ndarray
+
+
+class Reader:
+    """What one dataset knows: where its files are, how to load them, how to feed them."""
+
+    name = ""
+    natural = False
+    task = "classification"
+    num_classes = 0
+    x_tail: Tuple[int, ...] = ()
+    x_dtype = np.uint8
+    y_tail: Tuple[int, ...] = ()
+    y_dtype = np.int64
+
+    def __init__(self, cfg, opts):
+        self.cfg, self.opts = cfg, opts
+
+    @property
+    def default_model(self) -> str:
+        return DEFAULT_MODELS.get(self.name, "cnn")
+
+    # to implement
+    def source_files(self) -> List[str]:
+        raise NotImplementedError
+
+    def estimate_bytes(self) -> int:
+        raise NotImplementedError
+
+    def load_pool(self, lazy: bool = False) -> Pool:
+        raise NotImplementedError
+
+    def transform(self):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    # shared
+    def content_options(self) -> Dict[str, Any]:
+        return {f.name: getattr(self.opts, f.name) for f in fields(self.opts)
+                if f.name not in _RUNTIME_ONLY_OPTIONS}
+
+    def partition(self, spec: str, labels: np.ndarray) -> List[np.ndarray]:
+        return make_partition(spec, labels, self.cfg.num_clients, self.cfg.seed, min_samples=MIN_CLIENT_SAMPLES)
+
+    def memory_data(self, spec: str) -> Tuple[Any, ...]:
+        """(x_pool, y_pool, x_test, y_test, partition) as numpy arrays for ArrayFederatedData."""
+        pool = self.load_pool(lazy=False)
+        return pool.x, pool.y, pool.x_test, pool.y_test, self.partition(spec, pool.part_labels)
+
+    def store_sources(self, spec: str):
+        """(client source, global test source) for :func:`write_store`."""
+        pool = self.load_pool(lazy=True)
+        parts = self.partition(spec, pool.part_labels)
+        return ArrayClients(pool.x, pool.y, parts), ArrayClients.blocks(pool.x_test, pool.y_test)
+
+
+class NaturalReader(Reader):
+    """A dataset whose clients are its writers: lists them cheaply and loads them one by one."""
+
+    natural = True
+
+    def writer_counts(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def load_writer(self, k: int) -> Tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def test_source(self):
+        raise NotImplementedError
+
+    def writer_labels(self, y: np.ndarray) -> np.ndarray:
+        return y
+
+    def estimate_bytes(self) -> int:
+        per_sample = int(np.prod(self.x_tail)) * np.dtype(self.x_dtype).itemsize
+        return int(self.writer_counts().sum()) * per_sample
+
+    def chosen_writers(self) -> np.ndarray:
+        """Writers that become clients 0..num_clients-1 (seeded draw among the eligible, sorted)."""
+        counts = self.writer_counts()
+        eligible = np.flatnonzero(counts >= MIN_CLIENT_SAMPLES)
+        n = int(self.cfg.num_clients)
+        if n > len(eligible):
+            raise DataError(
+                f"{self.name} has {len(eligible)} writers with at least {MIN_CLIENT_SAMPLES} samples, "
+                f"so partition 'natural' cannot give {n} clients; use --num-clients {len(eligible)} "
+                f"(all writers) or fewer"
+            )
+        if n == len(eligible):
+            return eligible
+        rng = np.random.default_rng([int(self.cfg.seed), 0x57A7E])
+        return np.sort(rng.choice(eligible, size=n, replace=False))
+
+    def _test_arrays(self):
+        src = self.test_source()
+        parts = [src.load(k) for k in range(len(src.counts))]
+        x = np.concatenate([p[0] for p in parts]) if parts else np.empty((0,) + self.x_tail, self.x_dtype)
+        y = np.concatenate([p[1] for p in parts]) if parts else np.empty((0,) + self.y_tail, self.y_dtype)
+        return x, y
+
+    def load_pool(self, lazy: bool = False) -> Pool:
+        parts = [self.load_writer(k) for k in range(len(self.writer_counts()))]
+        x = np.concatenate([p[0] for p in parts])
+        y = np.concatenate([p[1] for p in parts])
+        x_test, y_test = self._test_arrays()
+        return Pool(x, y, x_test, y_test, self.writer_labels(y))
+
+    def memory_data(self, spec: str):
+        if spec != "natural":
+            return super().memory_data(spec)
+        chosen = self.chosen_writers()
+        parts = [self.load_writer(int(k)) for k in chosen]
+        x = np.concatenate([p[0] for p in parts])
+        y = np.concatenate([p[1] for p in parts])
+        bounds = np.concatenate([[0], np.cumsum([len(p[1]) for p in parts])])
+        partition = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        x_test, y_test = self._test_arrays()
+        return x, y, x_test, y_test, partition
+
+    def store_sources(self, spec: str):
+        if spec != "natural":
+            return super().store_sources(spec)
+        chosen = self.chosen_writers()
+        counts = self.writer_counts()[chosen]
+        clients = StreamedClients(counts, lambda k: self.load_writer(int(chosen[k])),
+                                  self.x_tail, self.x_dtype, self.y_tail, self.y_dtype)
+        return clients, self.test_source()
+
+
+# --------------------------------------------------------------------------- assembly
+
+
+def assemble(reader: Reader) -> FederatedData:
+    """Partition a reader's data and hand it out from memory or from a per-client store."""
+    cfg, opts = reader.cfg, reader.opts
+    spec = resolve_partition(getattr(cfg, "partition", None), reader.natural)
+    try:
+        sources = reader.source_files()
+        mode = opts.store
+        if mode == "auto":
+            mode = "hdf5" if reader.estimate_bytes() > opts.store_threshold_mb * 2 ** 20 else "memory"
+        if mode == "memory":
+            x, y, x_test, y_test, parts = reader.memory_data(spec)
+            return ArrayFederatedData(
+                reader.name, x, y, x_test, y_test, parts, num_classes=reader.num_classes,
+                client_test_fraction=cfg.client_test_fraction, seed=cfg.seed,
+                transform=reader.transform(), default_model=reader.default_model, task=reader.task,
+            )
+        meta = {
+            "format": STORE_FORMAT, "dataset": reader.name, "partition": spec,
+            "num_clients": int(cfg.num_clients), "seed": int(cfg.seed),
+            "client_test_fraction": float(cfg.client_test_fraction),
+            "options": reader.content_options(), "sources": fingerprint(sources),
+        }
+        store_dir = opts.store_dir or os.path.join(cfg.data_dir, "fedhpc_stores")
+        path = os.path.join(store_dir, store_file_name(meta))
+
+        def build(tmp: str) -> None:
+            clients, test = reader.store_sources(spec)
+            write_store(
+                tmp, clients, test, meta=meta, name=reader.name, num_classes=reader.num_classes,
+                task=reader.task, default_model=reader.default_model,
+                client_test_fraction=cfg.client_test_fraction, seed=cfg.seed,
+                progress=sys.stderr.isatty(),
+            )
+
+        return open_or_build_store(path, meta, build, reader.transform())
+    finally:
+        reader.close()
+
+
+def checked_options(options, cls):
+    opts = options if options is not None else cls()
+    if not isinstance(opts, cls):
+        raise ConfigError(f"expected {cls.__name__} options, got {type(opts).__name__}")
+    opts.validate()
+    return opts

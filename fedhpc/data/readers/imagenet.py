@@ -1,0 +1,91 @@
+"""Readers of the ImageNet subset prepared by ``python -m fedhpc.data.prepare imagenet200``."""
+
+from __future__ import annotations
+
+import os
+from typing import List
+
+import numpy as np
+
+from ...errors import DataError
+from .. import register_dataset
+from ..formats import IMAGENET, missing, open_h5_readonly
+from ..prepare import PREPARED_FORMAT
+from .common import (
+    IMAGENET_STATS, Imagenet200Options, Pool, Reader, checked_options, assemble, check_labels, image_transform,
+    require_data_dir,
+)
+
+
+# --------------------------------------------------------------------------- ImageNet subset
+
+
+class Imagenet200Reader(Reader):
+    """The HDF5 file written by ``python -m fedhpc.data.prepare imagenet200``: train -> pool, val -> test."""
+
+    name = "imagenet200"
+
+    def __init__(self, cfg, opts):
+        super().__init__(cfg, opts)
+        f = opts.file
+        if not os.path.isabs(f):
+            f = os.path.join(opts.dir or require_data_dir(cfg, self.name, f), f)
+        self.path = f
+        self._h5 = None
+        if not os.path.isfile(self.path):
+            raise missing(
+                "prepared ImageNet subset", self.path,
+                "HDF5 written by `python -m fedhpc.data.prepare imagenet200 --src <ImageNet dir> "
+                f"--out {self.path} --size 64 --seed 0`", IMAGENET,
+            )
+        h5 = self._file()
+        try:
+            if h5.attrs.get("format") != PREPARED_FORMAT:
+                raise KeyError("attribute format")
+            self.num_classes = int(h5.attrs["num_classes"])
+            self.x_tail = tuple(int(s) for s in h5["train/x"].shape[1:])
+            for key in ("train/y", "val/x", "val/y"):
+                h5[key]
+        except KeyError as e:
+            raise DataError(
+                f"{self.path} is not a prepared image subset (missing {e}); write it with "
+                f"`python -m fedhpc.data.prepare imagenet200 --src <ImageNet dir> --out {self.path}`"
+            )
+
+    def _file(self):
+        if self._h5 is None:
+            try:
+                self._h5 = open_h5_readonly(self.path)
+            except OSError as e:
+                raise DataError(f"{self.path} cannot be opened as HDF5 ({e}); prepare it again")
+        return self._h5
+
+    def source_files(self) -> List[str]:
+        return [self.path]
+
+    def estimate_bytes(self) -> int:
+        ds = self._file()["train/x"]
+        return int(np.prod(ds.shape)) * ds.dtype.itemsize
+
+    def load_pool(self, lazy: bool = False) -> Pool:
+        f = self._file()
+        y = f["train/y"][()].astype(np.int64)
+        yt = f["val/y"][()].astype(np.int64)
+        check_labels(y, self.num_classes, self.path, IMAGENET)
+        x = f["train/x"] if lazy else f["train/x"][()]
+        xt = f["val/x"] if lazy else f["val/x"][()]
+        return Pool(x, y, xt, yt, y)
+
+    def transform(self):
+        return image_transform(self.opts, IMAGENET_STATS)
+
+    def close(self) -> None:
+        if self._h5 is not None:
+            self._h5.close()
+            self._h5 = None
+
+
+@register_dataset("imagenet200", Imagenet200Options,
+                  "200-class ImageNet subset prepared by `python -m fedhpc.data.prepare imagenet200`")
+def build_imagenet200(cfg, options: Imagenet200Options = None):
+    return assemble(Imagenet200Reader(cfg, checked_options(options, Imagenet200Options)))
