@@ -17,7 +17,7 @@ Readings chosen where the paper is open (the authors' code settles the first two
 
 * the slim pass re-runs Block L on f_{L-1} *detached*, and the teacher side K_F is
   detached (distillation: only the sub-block learns from L_Lip, through shared weights);
-* "Block L" is the model's last stage (see :class:`fedhpc.models.vision.ResNet`);
+* "Block L" is the model's last stage (see :class:`fedhpc.models.resnet.ResNet`);
 * ``student_input="full"`` (default, Eq. 7 as printed): X_S pairs the full f_{L-1}
   with the slim output; ``"sliced"``: the authors' code, which pairs the first
   ceil(omega_S C) channels of f_{L-1} that the sub-block actually reads;

@@ -3,7 +3,7 @@
     L_GA = L_CE(F(x), y) + mu * sum_{i=1..n} L_KD(F_{w_i}(T_i(x)), F(x))                 (Eq. 2)
 
 F_{w_i}: the network slimmed to width w_i ~ U(omega^b, 1) (every layer keeps its
-first ceil(w C) channels: :meth:`fedhpc.models.vision.ResNet.forward_width`); T_i: a
+first ceil(w C) channels: :meth:`fedhpc.models.resnet.ResNet.forward_width`); T_i: a
 random resolution (bilinear resize by a scale drawn from ``scales``); L_KD: the KL
 divergence KL(softmax(F(x)) || softmax(F_{w_i}(T_i x))), batch mean, with the full
 network's output *detached* (the sub-networks learn from it, it does not move

@@ -28,7 +28,7 @@ def register_model(name: str):
     return MODELS.register(name)
 
 
-_MODEL_MODULES = ["simple", "vision", "text"]
+_MODEL_MODULES = ["simple", "vision", "resnet", "text"]
 
 
 def load_model_modules() -> None:
