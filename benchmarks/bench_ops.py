@@ -222,8 +222,8 @@ def main():
         for threads in (args.threads if device.type == "cpu" else [torch.get_num_threads()]):
             torch.set_num_threads(threads)
             # lazily: each case's closures use the tensors of that case only
-            for name, native_fn, torch_fn, moved, copy_bytes, one_pass in itertools.chain(segment_cases(device, dtype),
-                                                                                fedmix_cases(device, dtype)):
+            cases = itertools.chain(segment_cases(device, dtype), fedmix_cases(device, dtype))
+            for name, native_fn, torch_fn, moved, copy_bytes, one_pass in cases:
                 if args.only and args.only not in name:
                     continue
                 src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)

@@ -149,8 +149,9 @@ def for_tensors(*tensors: Optional[torch.Tensor]) -> Optional[ModuleType]:
     # generator alone was half of its 1.8 us.
     usable = dtype in NATIVE_DTYPES and (first.is_cpu or first.is_cuda)
     for t in tensors:
-        if t is not None and usable and (t.dtype != dtype or t.device != device):
+        if t is not None and (t.dtype != dtype or t.device != device):
             usable = False
+            break
     nat = _native if _native is not None else (native() if usable or _preferred == "native" else None)
     if usable and nat.module is not None and (first.is_cpu or nat.with_cuda):
         return nat.module
