@@ -7,7 +7,9 @@
 * fedmix_loss, and whole `python -m fedhpc.launch` runs of FedMix and pMixFed, with and without
   the extension; results independent of the thread count; a stale prebuilt module is refused;
   setup.py installs without a compiler;
-* the CUDA kernels compile with nvcc (compile-only, no GPU needed); on a GPU, CUDA vs reference.
+* the CUDA kernels compile with nvcc (compile-only, no GPU needed); the native-vs-reference
+  tests and gradcheck also run the CUDA kernels and binding under the CPU emulation of
+  tests/cuda_emulation/ (device "cuda-emulated"), and on a real GPU when there is one.
 
 Native tests skip, saying why, when this machine has no extension (no compiler and no prebuilt).
 """
@@ -38,10 +40,34 @@ def native_or_skip():
 
 
 def devices():
-    out = ["cpu"]
+    """Where the native-vs-reference tests run: the CPU kernels; the CUDA kernels and binding
+    under the CPU emulation of tests/cuda_emulation/ (wherever a compiler is); a real GPU."""
+    out = ["cpu", "cuda-emulated"]
     if torch.cuda.is_available():
         out.append("cuda")
     return out
+
+
+@pytest.fixture(params=devices())
+def device(request, monkeypatch):
+    """The torch device of a test's tensors. "cuda-emulated": CPU tensors, with fedhpc.ops's
+    extension swapped for csrc/ built as a CUDA build against the emulation, so every op takes
+    the CUDA branch of ops.cpp and runs the CUDA kernels. A build error fails the test: only a
+    machine without the tools to build skips it."""
+    if request.param != "cuda-emulated":
+        return request.param
+    from torch.utils import cpp_extension
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the CUDA kernels cannot run under the emulation here")
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        pytest.skip("ninja is missing: the emulated CUDA build needs it")
+    from cuda_emulation import emulated_native
+
+    monkeypatch.setattr(_loader, "_native", emulated_native())
+    return "cpu"
 
 
 def rand(shape, dtype, gen, device="cpu"):
@@ -88,7 +114,6 @@ def test_reference_matches_brute_force_loops():
 
 # --------------------------------------------------------------------------- native == reference
 
-@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mix_inputs_labels_native_equals_reference(dtype, device):
     native_or_skip()
@@ -119,7 +144,6 @@ def test_mix_inputs_labels_native_equals_reference(dtype, device):
             assert torch.allclose(gn, gr, rtol=tol, atol=tol), (trial, (gn - gr).abs().max())
 
 
-@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fedmix_l3_native_equals_reference(dtype, device):
     native_or_skip()
@@ -158,7 +182,6 @@ def segment_cases(gen):
     yield 70001, [1, 0, 70000]
 
 
-@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_segment_mix_native_equals_reference(dtype, device):
     native_or_skip()
@@ -328,14 +351,14 @@ def test_results_do_not_depend_on_the_thread_count():
 # --------------------------------------------------------------------------- autograd to second order
 
 @pytest.mark.parametrize("per_sample", [False, True])
-def test_gradcheck_and_gradgradcheck_native_fedmix_ops(per_sample):
+def test_gradcheck_and_gradgradcheck_native_fedmix_ops(per_sample, device):
     native_or_skip()
     gen = torch.Generator().manual_seed(5)
     b = 3
-    g = rand((b, 2, 3), torch.float64, gen).requires_grad_(True)
-    xbar = rand((b if per_sample else 1, 2, 3), torch.float64, gen).requires_grad_(True)
-    y = rand((b, 4), torch.float64, gen).requires_grad_(True)
-    ybar = rand((b if per_sample else 1, 4), torch.float64, gen).requires_grad_(True)
+    g = rand((b, 2, 3), torch.float64, gen, device).requires_grad_(True)
+    xbar = rand((b if per_sample else 1, 2, 3), torch.float64, gen, device).requires_grad_(True)
+    y = rand((b, 4), torch.float64, gen, device).requires_grad_(True)
+    ybar = rand((b if per_sample else 1, 4), torch.float64, gen, device).requires_grad_(True)
     with ops.prefer("native"):
         def l3(g_, x_):
             return ops.fedmix_l3(g_, x_, 0.35)
@@ -486,6 +509,24 @@ def test_setup_py_installs_without_a_compiler_or_with_the_switch():
 
 # --------------------------------------------------------------------------- CUDA sources
 
+def test_the_cuda_emulation_itself(tmp_path):
+    """The emulation behind device "cuda-emulated" (tests/cuda_emulation/) on small kernels of its
+    own: barriers order shared memory and a missing one is caught, a launch covers its grid once,
+    bad launches and divergent barriers are errors, intrinsics round once (self_check.cpp)."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip("no C++ compiler")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulation")
+    exe = str(tmp_path / "self_check")
+    build = subprocess.run([compiler, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Werror",
+                            f"-I{os.path.join(here, 'include')}", os.path.join(here, "self_check.cpp"), "-o", exe],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    assert "different numbers of __syncthreads() barriers" in run.stderr
+
+
 def test_cuda_kernels_compile_with_nvcc(tmp_path):
     """Compile-only: mix_kernels.cu needs no torch header, so it builds wherever nvcc is."""
     nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
@@ -528,7 +569,6 @@ def test_cuda_binding_compiles(tmp_path):
         assert p.returncode == 0, err[-4000:]
 
 
-@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_vectorised_and_misaligned_paths_equal_the_reference(dtype, device):
     """Rows long enough for the CUDA kernels' 16-byte vectors, and the same data one element off

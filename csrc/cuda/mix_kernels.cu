@@ -16,6 +16,12 @@
 //   contract a*b + c*d into an FMA: elementwise results equal PyTorch's separate kernels.
 #include "mix_kernels.cuh"
 
+// Every launch goes through this macro so that the tests can run these kernels on a machine
+// without a GPU, under tests/cuda_emulation/ (which defines it); nvcc sees the usual syntax.
+#ifndef FEDHPC_LAUNCH
+#define FEDHPC_LAUNCH(grid, block, stream, ...) __VA_ARGS__<<<grid, block, 0, stream>>>
+#endif
+
 namespace fedhpc {
 namespace cuda {
 namespace {
@@ -362,9 +368,9 @@ cudaError_t launch_pair_rows(const Pair& x, const Pair& y, bool vec, T wa, T wb,
   const int64_t xv = vec ? x.cols / V : x.cols;
   const dim3 grid = rows_grid(x.rows + y.rows, xv > y.cols ? xv : y.cols, kThreads);
   if (vec) {
-    pair_rows_kernel<Row, Pair, T, V><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
+    FEDHPC_LAUNCH(grid, kThreads, stream, pair_rows_kernel<Row, Pair, T, V>)(x, y, wa, wb);
   } else {
-    pair_rows_kernel<Row, Pair, T, 1><<<grid, kThreads, 0, stream>>>(x, y, wa, wb);
+    FEDHPC_LAUNCH(grid, kThreads, stream, pair_rows_kernel<Row, Pair, T, 1>)(x, y, wa, wb);
   }
   return cudaGetLastError();
 }
@@ -391,7 +397,8 @@ cudaError_t launch_mix_backward(MixPairT<T> x, MixPairT<T> y, T wa, T wb, cudaSt
     return launch_pair_rows<ScaleRow>(x, y, vec, wa, wb, stream);
   }
   // a broadcast mean's gradient sums over rows: column tiles in a fixed order (deterministic)
-  mix_backward_kernel<T><<<blocks_for(tiles, 1, kMaxBlocks), dim3(kTileCols, kRowLanes), 0, stream>>>(x, y, wa, wb);
+  const dim3 grid(static_cast<unsigned>(blocks_for(tiles, 1, kMaxBlocks)));
+  FEDHPC_LAUNCH(grid, dim3(kTileCols, kRowLanes), stream, mix_backward_kernel<T>)(x, y, wa, wb);
   return cudaGetLastError();
 }
 
@@ -399,7 +406,8 @@ template <typename T>
 cudaError_t launch_l3_forward(const T* g, const T* xbar, T* s, int64_t rows, int64_t cols, int64_t x_rows, T lam,
                               cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  l3_forward_kernel<T><<<blocks_for(rows, 1, kMaxBlocks), kThreads, 0, stream>>>(g, xbar, s, rows, cols, x_rows, lam);
+  const dim3 grid(static_cast<unsigned>(blocks_for(rows, 1, kMaxBlocks)));
+  FEDHPC_LAUNCH(grid, kThreads, stream, l3_forward_kernel<T>)(g, xbar, s, rows, cols, x_rows, lam);
   return cudaGetLastError();
 }
 
@@ -414,14 +422,17 @@ cudaError_t launch_l3_backward(const T* go, const T* g, const T* xbar, T* gg, T*
                      (gx == nullptr || aligned16(gx));
     const dim3 grid = rows_grid(rows, vec ? cols / V : cols, kThreads);
     if (vec) {
-      l3_backward_rows_kernel<T, V><<<grid, kThreads, 0, stream>>>(go, g, xbar, gg, gx, rows, cols, x_rows, lam);
+      FEDHPC_LAUNCH(grid, kThreads, stream, l3_backward_rows_kernel<T, V>)(go, g, xbar, gg, gx, rows, cols, x_rows,
+                                                                          lam);
     } else {
-      l3_backward_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(go, g, xbar, gg, gx, rows, cols, x_rows, lam);
+      FEDHPC_LAUNCH(grid, kThreads, stream, l3_backward_rows_kernel<T, 1>)(go, g, xbar, gg, gx, rows, cols, x_rows,
+                                                                          lam);
     }
     return cudaGetLastError();
   }
-  l3_backward_kernel<T><<<blocks_for(tiles, 1, kMaxBlocks), dim3(kTileCols, kRowLanes), 0, stream>>>(
-      go, g, xbar, gg, gx, rows, cols, x_rows, lam);
+  const dim3 grid(static_cast<unsigned>(blocks_for(tiles, 1, kMaxBlocks)));
+  FEDHPC_LAUNCH(grid, dim3(kTileCols, kRowLanes), stream, l3_backward_kernel<T>)(go, g, xbar, gg, gx, rows, cols,
+                                                                                x_rows, lam);
   return cudaGetLastError();
 }
 
@@ -435,9 +446,9 @@ cudaError_t launch_segment_mix(const T* a, int64_t a_rs, const T* b, int64_t b_r
                    aligned16(b) && aligned16(out);
   const bool shared_b = b_rs == 0 && rows > 1;
   const dim3 grid = rows_grid(shared_b ? 1 : rows, vec ? cols / V : cols, static_cast<int64_t>(kThreads) * kItems);
-#define FEDHPC_SEGMENT_LAUNCH(VW, SB)                                                                           \
-  segment_mix_rows_kernel<T, VW, SB><<<grid, kThreads, 0, stream>>>(a, a_rs, b, b_rs, out, o_rs, off, nseg, lam, \
-                                                                    lam_rows, rows, cols)
+#define FEDHPC_SEGMENT_LAUNCH(VW, SB)                                                                         \
+  FEDHPC_LAUNCH(grid, kThreads, stream, segment_mix_rows_kernel<T, VW, SB>)(a, a_rs, b, b_rs, out, o_rs, off, \
+                                                                           nseg, lam, lam_rows, rows, cols)
   if (vec && shared_b) {
     FEDHPC_SEGMENT_LAUNCH(V, true);
   } else if (vec) {
