@@ -643,9 +643,11 @@ class Engine:
                 converged = metrics.pop("converged", False)
                 last = t + 1 == cfg.rounds or converged
                 if last or (t + 1) % cfg.eval_every == 0:
+                    self.algo.final_evaluation = last  # a run that converges early ends here too
                     metrics.update(self.evaluate())
                     if last and self.cold_start:
                         metrics.update(self._evaluate_cold_start(metrics))
+                    self.algo.final_evaluation = False
                     final = metrics
                 stop = metrics.pop("stop", False)
                 self._log(metrics)
@@ -661,7 +663,9 @@ class Engine:
                 if stop:
                     raise Preempted(t + 1)
             if not final:  # resumed a finished run: report the final model again
+                self.algo.final_evaluation = True
                 final = {"round": self.stop_round, **self.evaluate()}
+                self.algo.final_evaluation = False
             if cfg.out and self.is_main:
                 atomic_torch_save(self.flat.state_dict_from(self.global_state),
                                   os.path.join(cfg.out, "final_model.pt"))

@@ -113,10 +113,30 @@ def test_fedbabu_head_is_bit_identical_after_federated_training(opt):
         assert all(torch.equal(eng.flat.flat[a:b], init[a:b]) for a, b in head.ranges)
     assert all(torch.equal(eng.global_state[a:b], init[a:b]) for a, b in head.ranges)
     assert float((eng.global_state - init).abs().max()) > 1e-3            # the body did train
-    assert eng.algo.client_model(0) is None                               # not the last round yet
+    assert eng.algo.client_model(0) is None                               # not the final evaluation
     eng.run_round(2)
+    eng.algo.final_evaluation = True                                      # as the engine sets it at the end
     tuned = eng.algo.client_model(0)                                      # the end: fine-tuned
     assert float(max((tuned[a:b] - init[a:b]).abs().max() for a, b in head.ranges)) > 1e-4
+
+
+@pytest.mark.parametrize("stop", ["after-all-rounds", "converged-early"])
+def test_fedbabu_fine_tunes_every_client_once_at_the_final_evaluation(stop, monkeypatch):
+    """Fine-tuning at the end means the evaluation the run ends with, also when --stop-epsilon
+    ends it before --rounds (it used to be skipped then: the last round never came)."""
+    from fedhpc.algorithms.fedbabu import FedBABU
+    early = ["--stop-epsilon", "1e9"] if stop == "converged-early" else []
+    eng = engine(["--algo", "fedbabu", *BASE, *CNN, "--rounds", "4", "--eval-every", "1", *early])
+    tuned, evaluated = [], []
+    original, evaluate = FedBABU.fine_tune, eng.evaluate
+    monkeypatch.setattr(FedBABU, "fine_tune", lambda self, model, ctx: (tuned.append((len(evaluated), ctx.cid)),
+                                                                      original(self, model, ctx))[1])
+    monkeypatch.setattr(eng, "evaluate", lambda: (evaluated.append(1), evaluate())[1])
+    final = eng.run()
+    ends = 2 if early else 4          # the relative change needs two rounds, and 1e9 is then met
+    assert final["round"] == ends and len(evaluated) == ends
+    assert sorted(tuned) == [(ends, cid) for cid in range(8)]           # all 8 clients, at the last evaluation only
+    assert final["local_test_accuracy"] != final["local_test_accuracy_global_model"]
 
 
 # ----------------------------------------------------------------------------- Per-FedAvg HF

@@ -195,6 +195,9 @@ class Algorithm:
         self._optimizer: Optional[torch.optim.Optimizer] = None
         #: set by the engine: a channel model is simulating links (outages can happen)
         self.channel_active = False
+        #: set by the engine: True while it evaluates the model the run ends with, after the
+        #: last round or after the round that met --stop-epsilon (e.g. FedBABU fine-tunes then)
+        self.final_evaluation = False
 
     # ---------------------------------------------------------------- round-level hooks
     def setup(self) -> None:

@@ -9,7 +9,8 @@ Clients train and send the body; the server averages the body.
 Personalised evaluation fine-tunes the final global model (body and head) on each client's
 training data for ``--finetune-epochs`` (pMixFed App. 10.1: 4) with a fresh optimiser, then
 evaluates it on the client's test split. By default this happens at the final evaluation
-only ("fine-tuning at the end"); earlier evaluations report the global model
+only ("fine-tuning at the end"; also when --stop-epsilon ends the run early); earlier
+evaluations report the global model
 (``--finetune-every-eval`` fine-tunes at every one). Cold-start clients get the same
 fine-tuning.
 """
@@ -70,7 +71,7 @@ class FedBABU(PersonalAlgorithm):
         self.train_epochs(model, ctx, self.options.finetune_epochs)
 
     def client_model(self, cid):
-        if not (self.options.finetune_every_eval or self.is_last_round()):
+        if not (self.options.finetune_every_eval or self.final_evaluation):
             return None
         return self.personalise_for_evaluation(cid, self.fine_tune)
 

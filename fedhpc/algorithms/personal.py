@@ -235,9 +235,6 @@ class PersonalAlgorithm(Algorithm):
     def round_begin(self, rnd: RoundInfo) -> None:
         self._round_index = rnd.index
 
-    def is_last_round(self) -> bool:
-        return self._round_index + 1 >= self.cfg.rounds
-
     def train_epochs(self, model: nn.Module, ctx: ClientContext, epochs: int, params=None,
                      first_epoch: int = 0, loss_fn: Optional[Callable] = None) -> None:
         """``epochs`` passes of mini-batch steps with a fresh optimiser over ``params`` (default:
