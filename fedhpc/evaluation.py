@@ -1,0 +1,180 @@
+"""What the engine reports of a model: the global model on the global test set (with per-label
+accuracy), each client's own model on its local test split (over all clients, with the spread
+and the worst tenth), the reference device's model, and cold-start clients adapted at the end.
+
+A mixin of :class:`fedhpc.engine.Engine`, kept apart from the round loop: it reads the
+engine's data, model, flat state, world and algorithm, and shards every evaluation over ranks
+(contiguous test slices, or clients by the rank that holds them) before one all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+
+from .algorithms import ClientContext, RoundInfo
+from .algorithms.base import derive_seed, seed_torch, task_loss
+
+
+class Evaluation:
+    """Evaluation methods of the engine (see the module docstring)."""
+
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        """Every eval round: the global model on the global test set; with local splits, the
+        model each client would use on its own split; with a personal or channel-affected
+        model, the reference device's model on the global test set (Mix2FLD's Fig. 2)."""
+        metrics = self._evaluate_global(self.global_state)
+        if self.cfg.local_eval and self.cfg.client_test_fraction > 0:
+            metrics.update(self._evaluate_local())
+        if self.uses_store:
+            state = self._holder_broadcast(self.reference_device)
+            metrics["reference_device_accuracy"] = (
+                metrics["test_accuracy"] if state is None else self._evaluate_global(state)["test_accuracy"])
+        return metrics
+
+    def _evaluate_global(self, state: torch.Tensor) -> Dict[str, float]:
+        """A flat model on the global test set, sharded over ranks by contiguous slices."""
+        self.flat.load_(state)
+        self.model.eval()
+        n = self.data.num_test()
+        start, stop = n * self.world.rank // self.world.size, n * (self.world.rank + 1) // self.world.size
+        per_label = self.cfg.per_label_accuracy
+        classes = self.data.num_classes
+        sums = torch.zeros(3 + (2 * classes if per_label else 0), dtype=torch.float64, device=self.world.device)
+        for s in range(start, stop, self.cfg.eval_batch_size):
+            x, y = self.data.test_slice(s, min(s + self.cfg.eval_batch_size, stop))
+            sums += self._eval_sums(x, y, per_label)
+        self.world.all_reduce_sum_(sums)
+        count = max(float(sums[2]), 1.0)
+        out = {"test_loss": float(sums[0]) / count, "test_accuracy": float(sums[1]) / count}
+        if per_label:
+            # one label's accuracy on the global test set (XorMixFL's Fig. 3 / Table 4 report the target label's)
+            correct, seen = sums[3:3 + classes].cpu(), sums[3 + classes:].cpu()
+            for c in range(classes):
+                if seen[c] > 0:
+                    out[f"test_accuracy_label{c}"] = float(correct[c] / seen[c])
+        return out
+
+    def _eval_sums(self, x: torch.Tensor, y: torch.Tensor, per_label: bool = False) -> torch.Tensor:
+        """(loss sum, correct, count[, correct per label, count per label]) of the loaded model on one batch."""
+        x, y = x.to(self.world.device), y.to(self.world.device)
+        logits = self.model(self.data.transform(x, False, None))
+        hit = logits.argmax(-1) == y
+        sums = torch.stack([task_loss(logits, y, reduction="sum").double(), hit.sum().double(),
+                            torch.tensor(float(y.numel())).to(logits.device, torch.float64)])
+        if not per_label:
+            return sums
+        c = self.data.num_classes
+        return torch.cat([sums, torch.bincount(y, weights=hit.double(), minlength=c).double(),
+                          torch.bincount(y, minlength=c).double()])
+
+    def _correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Correct predictions of the loaded model on a client's split, in eval-sized batches."""
+        bs = self.cfg.eval_batch_size
+        return sum(self._eval_sums(x[s:s + bs], y[s:s + bs])[1] for s in range(0, y.shape[0], bs))
+
+    def _summed_over_ranks(self, table: torch.Tensor, count_row: int) -> Optional[torch.Tensor]:
+        """All-reduce a per-client table; None when no client had a test split."""
+        self.world.all_reduce_sum_(table)
+        table = table.cpu()
+        return table if bool((table[count_row] > 0).any()) else None
+
+    def _evaluator_rank(self, cid: int) -> int:
+        """Where client ``cid`` is evaluated: the rank holding its state, else cid % size."""
+        if self.uses_store:
+            return self.client_state.location.get(cid, cid % self.world.size)
+        return cid % self.world.size
+
+    def _evaluate_local(self) -> Dict[str, float]:
+        """Every client's own model (``algo.client_model``) on its own local test split, over
+        all clients (not only this round's), sharded over ranks; also the global model on the
+        same splits when some client's model differs from it, and the spread across clients."""
+        n = self.data.num_clients
+        dev = self.world.device
+        # per client: correct (own model), count, correct (global model), has own model
+        table = torch.zeros(4, n, dtype=torch.float64, device=dev)
+        self.model.eval()
+        for cid in self.training_clients:  # cold-start clients are evaluated once, at the end
+            if self._evaluator_rank(cid) != self.world.rank:
+                continue
+            x, y = self.data.client_test_split(cid)
+            if y.numel() == 0:
+                continue
+            own = self.algo.client_model(cid)
+            for col, state in ((2, self.global_state), (0, own)):
+                if state is None:
+                    continue
+                self.flat.load_(state)
+                table[col, cid] = self._correct(x, y)
+            table[1, cid] = y.numel()
+            if own is None:
+                table[0, cid] = table[2, cid]
+            else:
+                table[3, cid] = 1
+        table = self._summed_over_ranks(table, 1)
+        if table is None:
+            return {}
+        has = table[1] > 0
+        acc = table[0, has] / table[1, has]
+        worst = torch.sort(acc).values[: max(1, int(math.ceil(0.1 * len(acc))))]
+        out = {
+            "local_test_accuracy": float(table[0].sum() / table[1].sum().clamp_min(1)),
+            "local_test_accuracy_mean": float(acc.mean()),
+            "local_test_accuracy_std": float(acc.std(unbiased=False)),
+            "local_test_accuracy_worst10": float(worst.mean()),
+        }
+        if table[3].sum() > 0:
+            out["local_test_accuracy_global_model"] = float(table[2].sum() / table[1].sum().clamp_min(1))
+        return out
+
+    def _evaluate_cold_start(self, trained: Dict[str, float]) -> Dict[str, float]:
+        """Each held-out client: the global model on its own test split, then ``algo.adapt`` on
+        its data and the adapted model on the same split; sharded by cid over ranks."""
+        dev, n = self.world.device, self.data.num_clients
+        table = torch.zeros(3, n, dtype=torch.float64, device=dev)  # correct before, after, count
+        rnd = RoundInfo(self.cfg.rounds, [], [], self.cfg.lr * self.cfg.lr_decay ** self.cfg.rounds)
+        for cid in self.cold_start:
+            if cid % self.world.size != self.world.rank:
+                continue
+            x, y = self.data.client_test_split(cid)
+            if y.numel() == 0:
+                continue
+            for col in (0, 1):
+                self.flat.load_(self.global_state)
+                if col == 1:
+                    seed_torch(derive_seed(self.cfg.seed, "adapt", cid), self.world.device)
+                    self.model.zero_grad(set_to_none=True)  # no gradient left from the last training step
+                    self.model.train()
+                    ctx = ClientContext(self.algo, cid, self._to_device(self.data.client(cid)), rnd)
+                    self.algo.adapt(self.model, ctx)
+                self.model.eval()
+                with torch.no_grad():
+                    table[col, cid] = self._correct(x, y)
+            table[2, cid] = y.numel()
+        table = self._summed_over_ranks(table, 2)
+        if table is None:
+            return {}
+        has = table[2] > 0
+        after = table[1, has] / table[2, has]
+        out = {
+            "cold_start_accuracy": float(table[1].sum() / table[2].sum()),
+            "cold_start_accuracy_mean": float(after.mean()),
+            "cold_start_accuracy_global_model": float(table[0].sum() / table[2].sum()),
+            "cold_start_clients": len(self.cold_start),
+        }
+        if "local_test_accuracy_mean" in trained:
+            # the participation gap: what a client that never trained loses against one that did
+            out["participation_gap"] = trained["local_test_accuracy_mean"] - out["cold_start_accuracy_mean"]
+        return out
+
+    def _holder_broadcast(self, cid: int) -> Optional[torch.Tensor]:
+        """Client ``cid``'s model (``algo.client_model``) on every rank, or None for the global one."""
+        holder = self._evaluator_rank(cid)
+        own = self.algo.client_model(cid) if holder == self.world.rank else None
+        if not self.world.broadcast_object(own is not None, src=holder):
+            return None
+        state = own.to(self.world.device, self.flat.flat.dtype) if own is not None else torch.empty_like(self.flat.flat)
+        return self.world.broadcast_(state.contiguous(), src=holder)
