@@ -15,7 +15,9 @@
     }                                                                 \
   } while (0)
 
-// Block-wide tree sum in shared memory: right only if every barrier holds.
+// Block-wide tree sum in shared memory: right only if every barrier holds. Without the one
+// inside the loop (Barrier false) it races, and the shuffled thread order must expose that.
+template <bool Barrier>
 __global__ void block_sums(const int* in, int* out, int n) {
   __shared__ int red[256];
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -23,19 +25,7 @@ __global__ void block_sums(const int* in, int* out, int n) {
   __syncthreads();
   for (int half = blockDim.x / 2; half > 0; half /= 2) {
     if (threadIdx.x < static_cast<unsigned>(half)) red[threadIdx.x] += red[threadIdx.x + half];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) out[blockIdx.x] = red[0];
-}
-
-// The same without the barrier inside the loop: a race the shuffled order must expose.
-__global__ void racy_sums(const int* in, int* out, int n) {
-  __shared__ int red[256];
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  red[threadIdx.x] = i < n ? in[i] : 0;
-  __syncthreads();
-  for (int half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < static_cast<unsigned>(half)) red[threadIdx.x] += red[threadIdx.x + half];
+    if (Barrier) __syncthreads();
   }
   __syncthreads();
   if (threadIdx.x == 0) out[blockIdx.x] = red[0];
@@ -60,12 +50,12 @@ int main() {
   std::vector<int> in(n), out(4, -1);
   long want = 0;
   for (int i = 0; i < n; ++i) want += in[i] = (i * 7919) % 1000 - 300;
-  FEDHPC_LAUNCH(dim3(4), dim3(256), nullptr, block_sums)(in.data(), out.data(), n);
+  FEDHPC_LAUNCH(dim3(4), dim3(256), nullptr, block_sums<true>)(in.data(), out.data(), n);
   CHECK(cudaGetLastError() == cudaSuccess);
   CHECK(long(out[0]) + out[1] + out[2] + out[3] == want);
   // Thread orders are drawn from a fixed seed (the same in every launch, so a test that passes
   // once passes always): this one exposes the missing barrier.
-  FEDHPC_LAUNCH(dim3(4), dim3(256), nullptr, racy_sums)(in.data(), out.data(), n);
+  FEDHPC_LAUNCH(dim3(4), dim3(256), nullptr, block_sums<false>)(in.data(), out.data(), n);
   CHECK(long(out[0]) + out[1] + out[2] + out[3] != want);
 
   const dim3 grid(3, 2, 2), block(8, 4);
