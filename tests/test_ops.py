@@ -56,6 +56,12 @@ def device(request, monkeypatch):
     machine without the tools to build skips it."""
     if request.param != "cuda-emulated":
         return request.param
+    use_emulated_cuda(monkeypatch)
+    return "cpu"
+
+
+def use_emulated_cuda(monkeypatch):
+    """Swap fedhpc.ops's extension for the emulated CUDA build (skips without the build tools)."""
     from torch.utils import cpp_extension
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -67,7 +73,6 @@ def device(request, monkeypatch):
     from cuda_emulation import emulated_native
 
     monkeypatch.setattr(_loader, "_native", emulated_native())
-    return "cpu"
 
 
 def rand(shape, dtype, gen, device="cpu"):
@@ -218,6 +223,38 @@ def test_segment_mix_native_equals_reference(dtype, device):
                     assert torch.equal(col, want)
             checked += 1
     assert checked == 5 * 8
+
+
+def test_each_cuda_op_is_one_kernel_launch_whatever_the_segments_and_clients(monkeypatch):
+    """The issue's "one launch per call": counted by the CUDA emulation, which runs the real
+    launchers of mix_kernels.cu (FedMix's input and label pairs share one launch each way)."""
+    use_emulated_cuda(monkeypatch)
+    from cuda_emulation import launches
+
+    gen = torch.Generator().manual_seed(4)
+
+    def count(fn):
+        before = launches()
+        with ops.prefer("native"):
+            out = fn()
+        return launches() - before, out
+
+    for clients, nseg in ((1, 1), (16, 1000), (3, 2500)):
+        off = ops.segment_offsets([7] * nseg)
+        a, b = rand((clients, 7 * nseg), torch.float32, gen), rand((7 * nseg,), torch.float32, gen)
+        lam = rand((clients, nseg), torch.float64, gen)
+        assert count(lambda: ops.segment_mix(a, b, off, lam))[0] == 1
+        assert count(lambda: ops.segment_mix(a, b, off, lam, out=a))[0] == 1
+    for batch, per_sample in ((2, False), (300, True)):
+        x = rand((batch, 3, 8, 8), torch.float32, gen).requires_grad_(True)
+        xbar = rand((batch if per_sample else 1, 3, 8, 8), torch.float32, gen).requires_grad_(True)
+        y, ybar = rand((batch, 10), torch.float32, gen), rand((1, 10), torch.float32, gen).requires_grad_(True)
+        n, (xm, ym) = count(lambda: ops.mix_inputs_labels(x, y, ybar, 0.3, xbar))
+        assert n == 1
+        assert count(lambda: torch.autograd.grad((xm.sum() + ym.sum()), (x, xbar, ybar)))[0] == 1
+        n, s = count(lambda: ops.fedmix_l3(x, xbar, 0.2))
+        assert n == 1
+        assert count(lambda: torch.autograd.grad(s.sum(), (x, xbar)))[0] == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -52,6 +52,15 @@ def build():
     return _module
 
 
+def launches() -> int:
+    """Kernels the emulated extension has launched in this process (valid launches only)."""
+    import ctypes
+
+    fn = ctypes.CDLL(build().__file__).fedhpc_emu_launches  # the module's own, already loaded library
+    fn.restype = ctypes.c_long
+    return int(fn())
+
+
 def emulated_native():
     """A fedhpc.ops._loader.Native for the emulated-CUDA module, to put in ``_loader._native``."""
     from fedhpc.ops import _loader

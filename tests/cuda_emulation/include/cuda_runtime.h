@@ -71,6 +71,7 @@ inline double __dsub_rn(double a, double b) { return a - b; }
 namespace fedhpc_emu {
 
 inline thread_local cudaError_t last_error = cudaSuccess;
+inline long launches = 0;  // kernels launched (valid launches), read by the tests through emulated_kernels.cpp
 
 inline int multiprocessors() {
   const char* v = std::getenv("FEDHPC_EMU_SMS");
@@ -152,6 +153,7 @@ struct Launch {
       last_error = cudaErrorInvalidConfiguration;
       return;
     }
+    ++launches;
     // A launch copies its arguments, as the GPU's parameter buffer does.
     std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
     const std::function<void()> body = [&] { std::apply(kernel, params); };
