@@ -257,6 +257,41 @@ def test_each_cuda_op_is_one_kernel_launch_whatever_the_segments_and_clients(mon
         assert count(lambda: torch.autograd.grad(s.sum(), (x, xbar)))[0] == 1
 
 
+def test_cuda_results_do_not_depend_on_the_gpus_size(monkeypatch):
+    """The CUDA kernels size their grids from the GPU's multiprocessor count and loop over the
+    rest; reductions sum in an order fixed by the shapes. So a model is bit-identical on any
+    GPU: checked under the emulation with 1, 3 and 132 (an H100's) multiprocessors, forward and
+    backward, column sums included."""
+    use_emulated_cuda(monkeypatch)
+    from cuda_emulation import blocks
+
+    gen = torch.Generator().manual_seed(6)
+    # rows long enough that the grids need more blocks than a small GPU gives them
+    x = rand((4, 3, 32, 32), torch.float32, gen)
+    xbar, y, ybar = rand((1, 3, 32, 32), torch.float32, gen), rand((4, 10), torch.float32, gen), rand((1, 10), torch.float32, gen)
+    a, b = rand((3, 100000), torch.float32, gen), rand((100000,), torch.float32, gen)
+    off, lam = ops.segment_offsets([1000, 0, 3, 98997]), rand((3, 4), torch.float64, gen)
+    probes = [rand((4, 3, 32, 32), torch.float32, gen), rand((4, 10), torch.float32, gen), rand((4,), torch.float32, gen)]
+
+    def everything():
+        leaves = [t.clone().requires_grad_(True) for t in (x, xbar, y, ybar)]
+        with ops.prefer("native"):
+            xm, ym = ops.mix_inputs_labels(leaves[0], leaves[2], leaves[3], 0.3, leaves[1])
+            s = ops.fedmix_l3(leaves[0], leaves[1], 0.2)
+            grads = torch.autograd.grad([xm, ym, s], leaves, probes)
+            return [xm, ym, s, *grads, ops.segment_mix(a, b, off, lam)]
+
+    runs, grid_blocks = {}, {}
+    for sms in ("1", "3", "132"):
+        monkeypatch.setenv("FEDHPC_EMU_SMS", sms)
+        before = blocks()
+        runs[sms] = everything()
+        grid_blocks[sms] = blocks() - before
+    assert grid_blocks["1"] < grid_blocks["3"] < grid_blocks["132"]  # the grids did change
+    for sms in ("3", "132"):
+        assert all(torch.equal(u, v) for u, v in zip(runs["1"], runs[sms])), sms
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_segment_mix_of_large_states_streams_its_output(dtype):
     """Outputs of 16 MiB and more take the non-temporal-store path (CPU): still bit-identical,

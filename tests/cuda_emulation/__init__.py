@@ -52,13 +52,22 @@ def build():
     return _module
 
 
-def launches() -> int:
-    """Kernels the emulated extension has launched in this process (valid launches only)."""
+def _counter(name: str) -> int:
     import ctypes
 
-    fn = ctypes.CDLL(build().__file__).fedhpc_emu_launches  # the module's own, already loaded library
+    fn = getattr(ctypes.CDLL(build().__file__), name)  # the module's own, already loaded library
     fn.restype = ctypes.c_long
     return int(fn())
+
+
+def launches() -> int:
+    """Kernels the emulated extension has launched in this process (valid launches only)."""
+    return _counter("fedhpc_emu_launches")
+
+
+def blocks() -> int:
+    """Blocks those launches ran."""
+    return _counter("fedhpc_emu_blocks")
 
 
 def emulated_native():

@@ -71,7 +71,8 @@ inline double __dsub_rn(double a, double b) { return a - b; }
 namespace fedhpc_emu {
 
 inline thread_local cudaError_t last_error = cudaSuccess;
-inline long launches = 0;  // kernels launched (valid launches), read by the tests through emulated_kernels.cpp
+// Kernels launched (valid launches) and their blocks, read by the tests (emulated_kernels.cpp).
+inline long launches = 0, blocks_run = 0;
 
 inline int multiprocessors() {
   const char* v = std::getenv("FEDHPC_EMU_SMS");
@@ -154,6 +155,7 @@ struct Launch {
       return;
     }
     ++launches;
+    blocks_run += static_cast<long>(uint64_t(grid.x) * grid.y * grid.z);
     // A launch copies its arguments, as the GPU's parameter buffer does.
     std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
     const std::function<void()> body = [&] { std::apply(kernel, params); };
