@@ -61,7 +61,11 @@ def device(request, monkeypatch):
 
 
 def use_emulated_cuda(monkeypatch):
-    """Swap fedhpc.ops's extension for the emulated CUDA build (skips without the build tools)."""
+    """Swap fedhpc.ops's extension for the emulated CUDA build (skips without the build tools,
+    or where FEDHPC_TEST_NO_CUDA_EMULATION=1: benchmarks/gpu/checks.sh sets it, a real GPU runs
+    these kernels there and its device time is better spent than on a second build)."""
+    if _sources.env_flag("FEDHPC_TEST_NO_CUDA_EMULATION"):
+        pytest.skip("FEDHPC_TEST_NO_CUDA_EMULATION is set")
     from torch.utils import cpp_extension
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:

@@ -13,6 +13,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # build for the card in hand only: a shorter nvcc run
 # the device machine runs commands as root, which Open MPI's mpiexec refuses without these
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# the real GPU runs the CUDA kernels: no second build of them against the CPU emulation
+export FEDHPC_TEST_NO_CUDA_EMULATION=1
 PY=${PY:-python3}
 step() { echo "== $1 ($(date +%T))"; }
 for stage in "${@:-tests}"; do
