@@ -483,6 +483,8 @@ class Engine(Evaluation):
             for t in range(self.start_round, self.stop_round):
                 metrics = self.run_round(t)
                 converged = metrics.pop("converged", False)
+                if converged:
+                    self.stop_round = t + 1  # before the final evaluation: cold-start clients join here
                 last = t + 1 == cfg.rounds or converged
                 if last or (t + 1) % cfg.eval_every == 0:
                     self.algo.final_evaluation = last  # a run that converges early ends here too
@@ -493,11 +495,9 @@ class Engine(Evaluation):
                     final = metrics
                 stop = metrics.pop("stop", False)
                 self._log(metrics)
-                if converged:
-                    self.stop_round = t + 1
-                    if self.is_main and not cfg.quiet:
-                        print(f"converged after round {t + 1}: relative change "
-                              f"{metrics['relative_change']:.4g} < --stop-epsilon {cfg.stop_epsilon:g}", flush=True)
+                if converged and self.is_main and not cfg.quiet:
+                    print(f"converged after round {t + 1}: relative change "
+                          f"{metrics['relative_change']:.4g} < --stop-epsilon {cfg.stop_epsilon:g}", flush=True)
                 if cfg.out and (stop or last or (cfg.checkpoint_every and (t + 1) % cfg.checkpoint_every == 0)):
                     self.save_checkpoint(t + 1)
                 if last:

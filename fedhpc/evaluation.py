@@ -132,10 +132,13 @@ class Evaluation:
 
     def _evaluate_cold_start(self, trained: Dict[str, float]) -> Dict[str, float]:
         """Each held-out client: the global model on its own test split, then ``algo.adapt`` on
-        its data and the adapted model on the same split; sharded by cid over ranks."""
+        its data and the adapted model on the same split; sharded by cid over ranks. The client
+        joins after the last round run (``stop_round``: --rounds, or where --stop-epsilon ended
+        the run), with that round index for its batches and the learning rate decayed to it."""
         dev, n = self.world.device, self.data.num_clients
         table = torch.zeros(3, n, dtype=torch.float64, device=dev)  # correct before, after, count
-        rnd = RoundInfo(self.cfg.rounds, [], [], self.cfg.lr * self.cfg.lr_decay ** self.cfg.rounds)
+        end = self.stop_round
+        rnd = RoundInfo(end, [], [], self.cfg.lr * self.cfg.lr_decay ** end)
         for cid in self.cold_start:
             if cid % self.world.size != self.world.rank:
                 continue

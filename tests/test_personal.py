@@ -209,6 +209,21 @@ def test_personalised_evaluation_equals_a_loop_over_clients(algo):
     assert got["local_test_accuracy_mean"] != pytest.approx(got["local_test_accuracy_global_model"])
 
 
+@pytest.mark.parametrize("stop", ["after-all-rounds", "converged-early"])
+def test_cold_start_clients_join_after_the_last_round_run(stop, monkeypatch):
+    """Cold-start clients adapt with the round index and decayed learning rate of the end of
+    the run: --rounds, or the round where --stop-epsilon ended it (it used to be --rounds always)."""
+    early = ["--stop-epsilon", "1e9"] if stop == "converged-early" else []
+    eng = engine(["--algo", "per_fedavg", *BASE, "--model", "mlp", "--cold-start-fraction", "0.25",
+                  "--rounds", "4", "--lr-decay", "0.9", *early])
+    seen = []
+    monkeypatch.setattr(type(eng.algo), "adapt", lambda self, model, ctx: seen.append((ctx.cid, ctx.round.index, ctx.lr)))
+    final = eng.run()
+    end = 2 if early else 4
+    assert final["round"] == end and final["cold_start_clients"] == 2
+    assert sorted(seen) == [(cid, end, pytest.approx(0.05 * 0.9 ** end)) for cid in sorted(eng.cold_start)]
+
+
 def test_cold_start_clients_adapt_then_report_both_gaps():
     """Per-FedAvg's cold-start adaptation is one SGD step of size alpha on the client's first
     batch (round index T); the participation gap is trained mean minus cold-start mean."""
