@@ -143,6 +143,10 @@ class RunConfig:
              f"--cold-start-fraction must be in [0, 1), got {self.cold_start_fraction}")
         need(math.isfinite(self.stop_epsilon) and self.stop_epsilon >= 0,
              f"--stop-epsilon must be >= 0 (0 = off), got {self.stop_epsilon}")
+        # clients are saved while they train, before the round's aggregation can tell whether it ends the run
+        need(self.stop_epsilon == 0 or "last" not in [p.strip() for p in self.save_client_models.split(",")],
+             "--save-client-models last cannot be combined with --stop-epsilon: the last round is only known "
+             "after its clients trained; name the rounds to keep (e.g. --save-client-models 5,10,15)")
 
     def to_dict(self) -> Dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

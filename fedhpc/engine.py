@@ -482,7 +482,7 @@ class Engine(Evaluation):
                     print(f"channel: {self.channel.describe()}", flush=True)
             for t in range(self.start_round, self.stop_round):
                 metrics = self.run_round(t)
-                converged = metrics.pop("converged", False)
+                converged = metrics.get("converged", False)  # kept in metrics.jsonl: a finished run, not a cut one
                 if converged:
                     self.stop_round = t + 1  # before the final evaluation: cold-start clients join here
                 last = t + 1 == cfg.rounds or converged

@@ -184,3 +184,41 @@ def test_local_sweep_skips_finished_resumes_interrupted_and_records_failures(tmp
     out = capsys.readouterr().out
     assert out.count("would run: ") == 1 and p3.id in out.split("would run: ")[1]
     assert "1 failed" in out and "3 finished" in out
+
+
+def test_a_run_that_converged_early_is_finished_for_the_sweep_and_the_report(tmp_path, capsys):
+    """--stop-epsilon ends a run before --rounds (Mix2FLD's configs converge after ~5 of 30): it is
+    finished, skipped by a re-submitted sweep and averaged into the report. It used to read as
+    interrupted (last round < rounds), so the sweep re-ran it and the report left it out."""
+    from fedhpc.report.cli import main as report_main
+    torch.set_num_threads(1)
+    path = write_grid(tmp_path, {"base": {**TINY, "stop_epsilon": 1e9}, "axes": {"seed": [0]}})
+    (point,) = expand(load_grid(path))
+    run_dir = tmp_path / "sweep" / "runs" / point.id
+    f = tmp_path / "p.yaml"
+    f.write_text(point_yaml(load_grid(path), point))
+    _run_in_process(str(f), str(run_dir))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["round"] == 2 and records[-1]["converged"] is True  # the change needs two rounds
+    assert run_state(str(run_dir), 3).status == "finished"
+    # the same records without the convergence mark: a run cut short, to be resumed
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for name in ("config.yaml", "final_model.pt"):
+        (cut / name).write_bytes((run_dir / name).read_bytes())
+    (cut / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "converged"}) + "\n"
+                                               for r in records))
+    assert run_state(str(cut), 3).status == "interrupted"
+    capsys.readouterr()
+    assert sweep_main([path, "--local", "--dry-run"]) == 0
+    assert f"{point.id}: finished (round 2/3) -> skip" in capsys.readouterr().out
+    assert report_main([str(tmp_path / "sweep" / "runs"), "--out", str(tmp_path / "report")]) == 0
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["excluded"] == [] and len(summary["groups"]) == 1
+
+
+def test_save_client_models_last_with_stop_epsilon_is_refused_with_the_fix():
+    from fedhpc.config import parse_args
+    with pytest.raises(ConfigError, match="--save-client-models last cannot be combined with --stop-epsilon.*5,10,15"):
+        parse_args(["--stop-epsilon", "0.05", "--save-client-models", "last", "--out", "x"])
+    parse_args(["--stop-epsilon", "0.05", "--save-client-models", "5,10", "--out", "x"])  # named rounds are fine

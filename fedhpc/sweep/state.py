@@ -1,6 +1,7 @@
 """Where a run stands, read from its --out folder alone (so a re-submitted sweep and the report agree).
 
-finished     final_model.pt exists and metrics.jsonl's last round equals the configured rounds
+finished     final_model.pt exists and metrics.jsonl's last round equals the configured rounds,
+             or is the round where --stop-epsilon ended the run (its record says "converged")
 failed       not finished, and the last attempt exited with an error (status.json, written by
              the sweep's runners: slurm/step.sh and the local runner)
 interrupted  not finished, and started (metrics, a checkpoint, or an attempt that was stopped
@@ -96,7 +97,8 @@ def run_state(run_dir: str, rounds: Optional[int] = None,
     started = bool(records) or has_final or os.path.exists(os.path.join(run_dir, "checkpoints", "LATEST"))
     if rounds is not None and last > rounds:
         return RunState("conflict", last, rounds, code)
-    if has_final and rounds is not None and last == rounds:
+    converged = bool(records) and records[-1].get("converged") is True
+    if has_final and rounds is not None and (last == rounds or converged):
         return RunState("finished", last, rounds, code)
     if code is not None and code != 0 and code not in INTERRUPTED_CODES:
         return RunState("failed", last, rounds, code)
