@@ -533,6 +533,34 @@ def test_runs_give_the_same_model_with_and_without_the_extension(algo, run_envs,
     assert moved > 1e-2  # the comparison is over a trained model, not two zero tensors
 
 
+@pytest.mark.parametrize("algo", ["fedmix", "pmixfed"])
+def test_runs_give_the_same_model_through_the_cuda_kernels(algo, monkeypatch):
+    """The test above for the CUDA build, under the emulation and in this process: two rounds with
+    every op on the CUDA kernels against two on the pure-PyTorch reference."""
+    use_emulated_cuda(monkeypatch)
+    from conftest import FAST
+    from cuda_emulation import launches
+
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+    extra = ["--lam", "0.1", "--select", "sample"] if algo == "fedmix" else []
+    argv = FAST + ["--algo", algo, "--seed", "3"] + extra
+    finals, ran = {}, {}
+    for backend in ("native", "torch"):
+        eng = Engine(*parse_args(argv), World(threads=1))
+        start = eng.global_state.clone()
+        before = launches()
+        with ops.prefer(backend):
+            for t in range(2):
+                eng.run_round(t)
+        ran[backend] = launches() - before
+        finals[backend] = eng.global_state
+    assert ran["native"] > 0 and ran["torch"] == 0  # the CUDA kernels really ran, and only there
+    assert float((finals["native"] - finals["torch"]).abs().max()) < 1e-5
+    assert float((finals["torch"] - start).abs().max()) > 1e-2  # a trained model, not the initial one
+
+
 # --------------------------------------------------------------------------- loader and report
 
 def test_backend_report_and_disable_switch():
