@@ -1,6 +1,7 @@
 """The round loop: sampling, sharding clients over ranks, one flat all-reduce, evaluation
-(:mod:`fedhpc.evaluation`), checkpoints and logging. It knows nothing about any specific algorithm: everything
-algorithm-specific happens in the hooks of :class:`fedhpc.algorithms.Algorithm`.
+(:mod:`fedhpc.evaluation`), checkpoints and logging. It knows nothing about any specific
+algorithm: everything algorithm-specific happens in the hooks of
+:class:`fedhpc.algorithms.Algorithm`.
 """
 
 from __future__ import annotations
