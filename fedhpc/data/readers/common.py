@@ -423,3 +423,15 @@ def checked_options(options, cls):
         raise ConfigError(f"expected {cls.__name__} options, got {type(opts).__name__}")
     opts.validate()
     return opts
+
+
+def register_reader(name: str, options_cls, reader_cls, help: str):
+    """Registers dataset ``name`` whose builder is ``reader_cls`` over checked options, assembled;
+    returns the builder (``build_<name>``)."""
+    from .. import register_dataset
+
+    def build(cfg, options=None) -> FederatedData:
+        return assemble(reader_cls(cfg, checked_options(options, options_cls)))
+
+    build.__name__ = build.__qualname__ = f"build_{name}"
+    return register_dataset(name, options_cls, help)(build)

@@ -8,11 +8,10 @@ from typing import List
 import numpy as np
 
 from ...errors import DataError
-from .. import register_dataset
 from ..formats import IMAGENET, missing, open_h5_readonly
 from ..prepare import PREPARED_FORMAT
 from .common import (
-    IMAGENET_STATS, Imagenet200Options, Pool, Reader, checked_options, assemble, check_labels, image_transform,
+    IMAGENET_STATS, Imagenet200Options, Pool, Reader, check_labels, image_transform, register_reader,
     require_data_dir,
 )
 
@@ -85,7 +84,6 @@ class Imagenet200Reader(Reader):
             self._h5 = None
 
 
-@register_dataset("imagenet200", Imagenet200Options,
-                  "200-class ImageNet subset prepared by `python -m fedhpc.data.prepare imagenet200`")
-def build_imagenet200(cfg, options: Imagenet200Options = None):
-    return assemble(Imagenet200Reader(cfg, checked_options(options, Imagenet200Options)))
+build_imagenet200 = register_reader(
+    "imagenet200", Imagenet200Options, Imagenet200Reader,
+    "200-class ImageNet subset prepared by `python -m fedhpc.data.prepare imagenet200`")

@@ -7,15 +7,14 @@ from typing import List, Tuple
 
 import numpy as np
 
-from .. import register_dataset
 from ..formats import (
     CIFAR10, CIFAR100, EMNIST, FASHION_MNIST, MNIST, Published, find_idx, missing, read_cifar10,
     read_cifar100, read_idx_header, read_idx_images_labels,
 )
 from .common import (
     CIFAR100_STATS, CIFAR10_STATS, Cifar100Options, Cifar10Options, EMNIST_STATS, EmnistOptions,
-    FMNIST_STATS, FmnistOptions, MNIST_STATS, MnistOptions, Pool, Reader, EMNIST_CLASSES, checked_options, assemble,
-    check_labels, image_transform, require_data_dir,
+    FMNIST_STATS, FmnistOptions, MNIST_STATS, MnistOptions, Pool, Reader, EMNIST_CLASSES, check_labels,
+    image_transform, register_reader, require_data_dir,
 )
 
 
@@ -94,19 +93,12 @@ class EmnistReader(IdxReader):
         return x, y
 
 
-@register_dataset("mnist", MnistOptions, "MNIST from IDX files (<data_dir>/MNIST/raw), 28x28, 10 classes")
-def build_mnist(cfg, options: MnistOptions = None):
-    return assemble(MnistReader(cfg, checked_options(options, MnistOptions)))
-
-
-@register_dataset("fmnist", FmnistOptions, "Fashion-MNIST from IDX files (<data_dir>/FashionMNIST/raw), 10 classes")
-def build_fmnist(cfg, options: FmnistOptions = None):
-    return assemble(FmnistReader(cfg, checked_options(options, FmnistOptions)))
-
-
-@register_dataset("emnist", EmnistOptions, "EMNIST from IDX files (<data_dir>/EMNIST/raw); option split")
-def build_emnist(cfg, options: EmnistOptions = None):
-    return assemble(EmnistReader(cfg, checked_options(options, EmnistOptions)))
+build_mnist = register_reader("mnist", MnistOptions, MnistReader,
+                              "MNIST from IDX files (<data_dir>/MNIST/raw), 28x28, 10 classes")
+build_fmnist = register_reader("fmnist", FmnistOptions, FmnistReader,
+                               "Fashion-MNIST from IDX files (<data_dir>/FashionMNIST/raw), 10 classes")
+build_emnist = register_reader("emnist", EmnistOptions, EmnistReader,
+                               "EMNIST from IDX files (<data_dir>/EMNIST/raw); option split")
 
 
 # --------------------------------------------------------------------------- CIFAR
@@ -165,11 +157,7 @@ class Cifar100Reader(CifarReader):
         return read_cifar100(self.root(), "coarse" if self.opts.coarse else "fine")
 
 
-@register_dataset("cifar10", Cifar10Options, "CIFAR-10 python pickles (<data_dir>/cifar-10-batches-py), 32x32x3")
-def build_cifar10(cfg, options: Cifar10Options = None):
-    return assemble(CifarReader(cfg, checked_options(options, Cifar10Options)))
-
-
-@register_dataset("cifar100", Cifar100Options, "CIFAR-100 python pickles (<data_dir>/cifar-100-python); option coarse")
-def build_cifar100(cfg, options: Cifar100Options = None):
-    return assemble(Cifar100Reader(cfg, checked_options(options, Cifar100Options)))
+build_cifar10 = register_reader("cifar10", Cifar10Options, CifarReader,
+                                "CIFAR-10 python pickles (<data_dir>/cifar-10-batches-py), 32x32x3")
+build_cifar100 = register_reader("cifar100", Cifar100Options, Cifar100Reader,
+                                 "CIFAR-100 python pickles (<data_dir>/cifar-100-python); option coarse")
