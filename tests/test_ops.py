@@ -262,10 +262,13 @@ def test_each_cuda_op_is_one_kernel_launch_whatever_the_segments_and_clients(mon
 
 
 def test_cuda_results_do_not_depend_on_the_gpus_size(monkeypatch):
-    """The CUDA kernels size their grids from the GPU's multiprocessor count and loop over the
-    rest; reductions sum in an order fixed by the shapes. So a model is bit-identical on any
-    GPU: checked under the emulation with 1, 3 and 132 (an H100's) multiprocessors, forward and
-    backward, column sums included."""
+    """The CUDA kernels size their grids from the GPU's multiprocessor count, cap them (4096
+    blocks for the reducing kernels, CUDA's 65535 for gridDim.y) and loop over the rest;
+    reductions sum in an order fixed by the shapes. So a model is bit-identical on any GPU:
+    checked under the emulation with 1, 3 and 132 (an H100's) multiprocessors, and with the caps
+    lowered to 2 and 3 so that the row and tile loops a GPU runs only past 4096 rows or tiles, or
+    65535 rows, run here; forward and backward, with and without column sums, and segment_mix
+    with a shared global split into row groups of 7, 3 + 3 + 1 and 1 clients, also in place."""
     use_emulated_cuda(monkeypatch)
     from cuda_emulation import blocks
 
@@ -273,27 +276,72 @@ def test_cuda_results_do_not_depend_on_the_gpus_size(monkeypatch):
     # rows long enough that the grids need more blocks than a small GPU gives them
     x = rand((4, 3, 32, 32), torch.float32, gen)
     xbar, y, ybar = rand((1, 3, 32, 32), torch.float32, gen), rand((4, 10), torch.float32, gen), rand((1, 10), torch.float32, gen)
+    xbar_each = rand((4, 3, 32, 32), torch.float32, gen)
     a, b = rand((3, 100000), torch.float32, gen), rand((100000,), torch.float32, gen)
     off, lam = ops.segment_offsets([1000, 0, 3, 98997]), rand((3, 4), torch.float64, gen)
+    a7, b7 = rand((7, 32768), torch.float32, gen), rand((32768,), torch.float32, gen)
+    off7, lam7 = ops.segment_offsets([5000, 27768]), rand((7, 2), torch.float64, gen)
     probes = [rand((4, 3, 32, 32), torch.float32, gen), rand((4, 10), torch.float32, gen), rand((4,), torch.float32, gen)]
 
     def everything():
         leaves = [t.clone().requires_grad_(True) for t in (x, xbar, y, ybar)]
+        each = [t.clone().requires_grad_(True) for t in (x, xbar_each, y)]
         with ops.prefer("native"):
+            # a mean per batch: its gradient is a column sum (the tile kernels)
             xm, ym = ops.mix_inputs_labels(leaves[0], leaves[2], leaves[3], 0.3, leaves[1])
             s = ops.fedmix_l3(leaves[0], leaves[1], 0.2)
             grads = torch.autograd.grad([xm, ym, s], leaves, probes)
-            return [xm, ym, s, *grads, ops.segment_mix(a, b, off, lam)]
+            # a mean per sample, ybar without a gradient: elementwise backward kernels only
+            xe, ye = ops.mix_inputs_labels(each[0], each[2], ybar, 0.3, each[1])
+            se = ops.fedmix_l3(each[0], each[1], 0.2)
+            grads_each = torch.autograd.grad([xe, ye, se], each, probes)
+            in_place = a7.clone()  # a row or group mixed twice shows only in place
+            ops.segment_mix(in_place, b7, off7, lam7, out=in_place)
+            return [xm, ym, s, *grads, xe, ye, se, *grads_each, ops.segment_mix(a, b, off, lam), in_place,
+                    ops.segment_mix(a7, b7, off7, lam7)]
 
     runs, grid_blocks = {}, {}
-    for sms in ("1", "3", "132"):
+    for sms, cap in (("1", ""), ("3", ""), ("132", ""), ("3", "2"), ("132", "3")):
         monkeypatch.setenv("FEDHPC_EMU_SMS", sms)
+        monkeypatch.setenv("FEDHPC_EMU_GRID_CAP", cap)
         before = blocks()
-        runs[sms] = everything()
-        grid_blocks[sms] = blocks() - before
-    assert grid_blocks["1"] < grid_blocks["3"] < grid_blocks["132"]  # the grids did change
-    for sms in ("3", "132"):
-        assert all(torch.equal(u, v) for u, v in zip(runs["1"], runs[sms])), sms
+        runs[sms, cap] = everything()
+        grid_blocks[sms, cap] = blocks() - before
+    assert grid_blocks["1", ""] < grid_blocks["3", ""] < grid_blocks["132", ""]  # the grids did change
+    assert grid_blocks["3", "2"] < grid_blocks["3", ""] and grid_blocks["132", "3"] < grid_blocks["132", ""]
+    for key in runs:
+        assert all(torch.equal(u, v) for u, v in zip(runs["1", ""], runs[key])), key
+    with ops.prefer("torch"):
+        assert torch.equal(runs["1", ""][-1], ops.segment_mix(a7, b7, off7, lam7))
+        assert torch.equal(runs["1", ""][-2], runs["1", ""][-1])
+
+
+def test_segment_mix_against_a_shared_global_fills_the_gpu(monkeypatch):
+    """With one global row for every client, segment_mix reads each global vector once for a
+    group of clients (blockIdx.y). Clients whose rows alone fill the GPU form one group (the
+    global read once); shorter rows split the clients into as many groups as fill it, and no
+    more. On an H100, one group at 16 clients x 1M parameters was a 256-block grid at 0.77 of
+    copy bandwidth, where the ~1024-block grids of larger states reached 0.88-0.91."""
+    use_emulated_cuda(monkeypatch)
+    from cuda_emulation import last_grid
+
+    gen = torch.Generator().manual_seed(8)
+    monkeypatch.setenv("FEDHPC_EMU_SMS", "3")  # 24 resident blocks of 256 threads
+    monkeypatch.setenv("FEDHPC_EMU_GRID_CAP", "")
+
+    def grid(clients, p):
+        a, b = rand((clients, p), torch.float32, gen), rand((p,), torch.float32, gen)
+        off, lam = ops.segment_offsets([p // 3, p - p // 3]), rand((clients, 2), torch.float64, gen)
+        with ops.prefer("native"):
+            ops.segment_mix(a, b, off, lam)
+        return last_grid()
+
+    # a row of 8192 vectors is 8 blocks of 1024: 16 clients in 3 groups (6, 6 and 4 clients)
+    assert grid(16, 4 * 8192) == (8, 3)
+    assert grid(2, 4 * 8192) == (8, 2)  # no more groups than clients
+    # a row of 24 blocks or more fills the GPU alone: one group, the global read once
+    assert grid(16, 4 * 24 * 1024) == (24, 1)
+    assert grid(16, 4 * 40 * 1024) == (24, 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

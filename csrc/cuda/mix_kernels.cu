@@ -30,8 +30,16 @@ constexpr int kThreads = 256;
 constexpr int kTileCols = 32;      // column tile of the transposed / reducing kernels
 constexpr int kRowLanes = 8;       // row lanes per column tile (blockDim.y)
 constexpr int kItems = 4;          // elements per thread per tile in segment_mix
-constexpr int64_t kMaxBlocks = 4096;
 constexpr int kSharedOffsets = 2048;  // offsets cached in shared memory up to this many entries
+
+// Grid caps: 1-D grids of the reducing kernels stop at 4096 blocks, and gridDim.y may not pass
+// CUDA's 65535; grid-stride loops cover the rest. The tests' CUDA emulation lowers both
+// (FEDHPC_GRID_CAP) so that small inputs run every one of those loops more than once.
+#ifndef FEDHPC_GRID_CAP
+#define FEDHPC_GRID_CAP(limit) (limit)
+#endif
+inline int64_t max_blocks() { return FEDHPC_GRID_CAP(4096); }
+inline int64_t max_grid_y() { return FEDHPC_GRID_CAP(65535); }
 
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
@@ -80,12 +88,13 @@ inline int64_t resident_blocks() {
 
 // A 2-D grid over (column vectors, rows): blockIdx.y strides rows, blockIdx.x the vectors of
 // a row, so no thread divides a flat index by the row length.
-inline dim3 rows_grid(int64_t rows, int64_t vecs_per_row, int64_t per_block) {
-  const int64_t gy = rows < 1 ? 1 : (rows > 65535 ? 65535 : rows);
-  const int64_t want_x = (resident_blocks() + gy - 1) / gy;
-  int64_t gx = (vecs_per_row + per_block - 1) / per_block;
-  gx = gx < 1 ? 1 : (gx > want_x ? want_x : gx);
+inline dim3 rows_grid(int64_t rows, int64_t vecs_per_row, int64_t per_block, int64_t resident) {
+  const int64_t gy = blocks_for(rows, 1, max_grid_y());
+  const int64_t gx = blocks_for(vecs_per_row, per_block, (resident + gy - 1) / gy);
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+}
+inline dim3 rows_grid(int64_t rows, int64_t vecs_per_row, int64_t per_block) {
+  return rows_grid(rows, vecs_per_row, per_block, resident_blocks());
 }
 
 // Combines the row lanes of a column tile in lane order; thread (tx, 0) gets the column total.
@@ -290,14 +299,15 @@ __global__ void l3_backward_rows_kernel(const T* go, const T* g, const T* xbar, 
   }
 }
 
-// segment_mix over a 2-D grid, 16-byte vectors when every row start is aligned. Each thread
-// takes kItems vectors kThreads apart (coalesced), loads them all before it stores any (so
-// out == a or out == b in place stays safe), finds the segment of its first element by a
-// binary search over the offsets (in shared memory when they fit) and walks forward.
+// segment_mix over a 2-D grid, 16-byte vectors when every row start is aligned. blockIdx.y takes
+// groups of group_rows consecutive rows. Each thread takes kItems vectors kThreads apart
+// (coalesced), loads them all before it stores any (so out == a or out == b in place stays
+// safe), finds the segment of its first element by a binary search over the offsets (in shared
+// memory when they fit) and walks forward.
 template <typename T, int V, bool SharedB>
 __global__ void segment_mix_rows_kernel(const T* a, int64_t a_rs, const T* b, int64_t b_rs, T* out, int64_t o_rs,
                                         const int64_t* off_global, int64_t nseg, const T* lam, int64_t lam_rows,
-                                        int64_t rows, int64_t cols) {
+                                        int64_t rows, int64_t cols, int64_t group_rows) {
   using VT = typename VecT<T, V>::type;
   __shared__ int64_t off_shared[kSharedOffsets];
   const int64_t* off = off_global;
@@ -308,10 +318,16 @@ __global__ void segment_mix_rows_kernel(const T* a, int64_t a_rs, const T* b, in
   }
   const int64_t nv = cols / V;
   const int64_t chunk = static_cast<int64_t>(blockDim.x) * kItems;
-  // SharedB (one b row for every row, e.g. the global state against C clients): the rows loop
-  // runs inside, so each b vector is read once from memory and kept in registers for all
+  // SharedB (one b row for every row, e.g. the global state against C clients): the rows of a
+  // group run inside, so each b vector is read once per group and kept in registers for its
   // rows (the rows-outside order re-read b per row: 0.70 of copy bandwidth once b left L2).
-  for (int64_t r0 = SharedB ? 0 : blockIdx.y; r0 < (SharedB ? 1 : rows); r0 += gridDim.y) {
+  // Without it a group is one row, known at compile time: the row loop costs no registers
+  // (a run-time group size took the float4 kernel from 62 to 72, 4 to 3 blocks per SM).
+  const int64_t per_group = SharedB ? group_rows : 1;
+  const int64_t groups = SharedB ? (rows + per_group - 1) / per_group : rows;
+  for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
+    const int64_t r_begin = g * per_group;
+    const int64_t r_end = !SharedB ? r_begin + 1 : (r_begin + per_group < rows ? r_begin + per_group : rows);
     for (int64_t v0 = blockIdx.x * chunk + threadIdx.x; v0 < nv; v0 += static_cast<int64_t>(gridDim.x) * chunk) {
       const int64_t p0 = v0 * V;
       int64_t lo = 0, hi = nseg - 1;  // last s with off[s] <= p0
@@ -327,7 +343,7 @@ __global__ void segment_mix_rows_kernel(const T* a, int64_t a_rs, const T* b, in
           if (v < nv) vb[k] = reinterpret_cast<const VT*>(b)[v];
         }
       }
-      for (int64_t r = r0; r < (SharedB ? rows : r0 + 1); ++r) {
+      for (int64_t r = r_begin; r < r_end; ++r) {
         const VT* ar = reinterpret_cast<const VT*>(a + r * a_rs);
         VT* orow = reinterpret_cast<VT*>(out + r * o_rs);
         const T* lr = lam + (lam_rows == 1 ? 0 : r) * nseg;
@@ -397,7 +413,7 @@ cudaError_t launch_mix_backward(MixPairT<T> x, MixPairT<T> y, T wa, T wb, cudaSt
     return launch_pair_rows<ScaleRow>(x, y, vec, wa, wb, stream);
   }
   // a broadcast mean's gradient sums over rows: column tiles in a fixed order (deterministic)
-  const dim3 grid(static_cast<unsigned>(blocks_for(tiles, 1, kMaxBlocks)));
+  const dim3 grid(static_cast<unsigned>(blocks_for(tiles, 1, max_blocks())));
   FEDHPC_LAUNCH(grid, dim3(kTileCols, kRowLanes), stream, mix_backward_kernel<T>)(x, y, wa, wb);
   return cudaGetLastError();
 }
@@ -406,7 +422,7 @@ template <typename T>
 cudaError_t launch_l3_forward(const T* g, const T* xbar, T* s, int64_t rows, int64_t cols, int64_t x_rows, T lam,
                               cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(blocks_for(rows, 1, kMaxBlocks)));
+  const dim3 grid(static_cast<unsigned>(blocks_for(rows, 1, max_blocks())));
   FEDHPC_LAUNCH(grid, kThreads, stream, l3_forward_kernel<T>)(g, xbar, s, rows, cols, x_rows, lam);
   return cudaGetLastError();
 }
@@ -430,7 +446,7 @@ cudaError_t launch_l3_backward(const T* go, const T* g, const T* xbar, T* gg, T*
     }
     return cudaGetLastError();
   }
-  const dim3 grid(static_cast<unsigned>(blocks_for(tiles, 1, kMaxBlocks)));
+  const dim3 grid(static_cast<unsigned>(blocks_for(tiles, 1, max_blocks())));
   FEDHPC_LAUNCH(grid, dim3(kTileCols, kRowLanes), stream, l3_backward_kernel<T>)(go, g, xbar, gg, gx, rows, cols,
                                                                                 x_rows, lam);
   return cudaGetLastError();
@@ -445,10 +461,24 @@ cudaError_t launch_segment_mix(const T* a, int64_t a_rs, const T* b, int64_t b_r
   const bool vec = cols % V == 0 && a_rs % V == 0 && b_rs % V == 0 && o_rs % V == 0 && aligned16(a) &&
                    aligned16(b) && aligned16(out);
   const bool shared_b = b_rs == 0 && rows > 1;
-  const dim3 grid = rows_grid(shared_b ? 1 : rows, vec ? cols / V : cols, static_cast<int64_t>(kThreads) * kItems);
+  const int64_t vecs = vec ? cols / V : cols, per_block = static_cast<int64_t>(kThreads) * kItems;
+  const int64_t resident = resident_blocks();
+  // Without a shared b every row is its own group. With one, a group's rows share each b vector
+  // read: one group (b read once) as long as a row's vectors alone fill the grid the GPU is
+  // sized for, else as many groups as fill it, each re-reading b (mostly from L2). On an H100
+  // one group at 16 clients x 1M was a 256-block grid at 0.77 of copy bandwidth, where the
+  // ~1024-block grids of larger states reached 0.88-0.91.
+  int64_t group_rows = 1;
+  if (shared_b) {
+    const int64_t row_blocks = blocks_for(vecs, per_block, resident);
+    const int64_t groups = blocks_for(resident / row_blocks, 1, rows);
+    group_rows = (rows + groups - 1) / groups;
+  }
+  const dim3 grid = rows_grid((rows + group_rows - 1) / group_rows, vecs, per_block, resident);
 #define FEDHPC_SEGMENT_LAUNCH(VW, SB)                                                                         \
   FEDHPC_LAUNCH(grid, kThreads, stream, segment_mix_rows_kernel<T, VW, SB>)(a, a_rs, b, b_rs, out, o_rs, off, \
-                                                                           nseg, lam, lam_rows, rows, cols)
+                                                                           nseg, lam, lam_rows, rows, cols,  \
+                                                                           group_rows)
   if (vec && shared_b) {
     FEDHPC_SEGMENT_LAUNCH(V, true);
   } else if (vec) {

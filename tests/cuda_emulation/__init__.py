@@ -70,6 +70,11 @@ def blocks() -> int:
     return _counter("fedhpc_emu_blocks")
 
 
+def last_grid() -> tuple:
+    """(gridDim.x, gridDim.y) of the last launch."""
+    return _counter("fedhpc_emu_last_grid_x"), _counter("fedhpc_emu_last_grid_y")
+
+
 def emulated_native():
     """A fedhpc.ops._loader.Native for the emulated-CUDA module, to put in ``_loader._native``."""
     from fedhpc.ops import _loader

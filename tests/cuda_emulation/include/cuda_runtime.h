@@ -9,7 +9,8 @@
 //   reach a different number of barriers is an error (on a GPU it hangs or corrupts memory).
 // * blocks run one after another in a shuffled (fixed) order: a kernel may not depend on the
 //   order of its blocks, and grid-stride loops really stride (the emulated GPU has
-//   FEDHPC_EMU_SMS multiprocessors, 2 by default, so grids sized from it are small);
+//   FEDHPC_EMU_SMS multiprocessors, 2 by default, so grids sized from it are small, and
+//   FEDHPC_EMU_GRID_CAP lowers the launchers' caps on grid sizes, so row and tile loops too);
 // * __shared__ variables are per block (static storage: one block runs at a time);
 // * launch limits: at most 1024 threads a block, grid y and z at most 65535, no empty
 //   dimension; a bad launch sets cudaErrorInvalidConfiguration for cudaGetLastError();
@@ -71,13 +72,24 @@ inline double __dsub_rn(double a, double b) { return a - b; }
 namespace fedhpc_emu {
 
 inline thread_local cudaError_t last_error = cudaSuccess;
-// Kernels launched (valid launches) and their blocks, read by the tests (emulated_kernels.cpp).
+// Kernels launched (valid launches), their blocks and the last one's grid, read by the tests
+// (emulated_kernels.cpp).
 inline long launches = 0, blocks_run = 0;
+inline dim3 last_grid;
 
 inline int multiprocessors() {
   const char* v = std::getenv("FEDHPC_EMU_SMS");
   const int n = v ? std::atoi(v) : 2;
   return n > 0 ? n : 2;
+}
+
+// The launchers' grid caps (FEDHPC_GRID_CAP in mix_kernels.cu: 4096 blocks for the reducing
+// kernels, CUDA's 65535 for gridDim.y), lowered to FEDHPC_EMU_GRID_CAP when that is set, so
+// that small inputs run the grid-stride loops a GPU reaches only past those many rows or tiles.
+inline int64_t grid_cap(int64_t limit) {
+  const char* v = std::getenv("FEDHPC_EMU_GRID_CAP");
+  const long long n = v ? std::atoll(v) : 0;
+  return n > 0 && n < limit ? n : limit;
 }
 
 // The threads of the block being run, as fibers.
@@ -156,6 +168,7 @@ struct Launch {
     }
     ++launches;
     blocks_run += static_cast<long>(uint64_t(grid.x) * grid.y * grid.z);
+    last_grid = grid;
     // A launch copies its arguments, as the GPU's parameter buffer does.
     std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
     const std::function<void()> body = [&] { std::apply(kernel, params); };
@@ -197,6 +210,7 @@ inline void __syncthreads() {
 
 // mix_kernels.cu launches through FEDHPC_LAUNCH (<<<grid, block, 0, stream>>> under nvcc).
 #define FEDHPC_LAUNCH(grid, block, stream, ...) ::fedhpc_emu::launch(grid, block, __VA_ARGS__)
+#define FEDHPC_GRID_CAP(limit) ::fedhpc_emu::grid_cap(limit)
 
 inline cudaError_t cudaGetLastError() {
   const cudaError_t e = fedhpc_emu::last_error;
