@@ -130,7 +130,7 @@ class Engine(Evaluation):
         for name, spec in self.algo.upload_spec().items():
             self.uploads[name] = (slice(offset, offset + spec.numel), spec)
             offset += spec.numel
-        self.metric_slots = ["weight", "loss_sum", "samples", "nonfinite", "stop", "compute_s"]
+        self.metric_slots = ["weight", "loss_sum", "samples", "nonfinite", "stop", "compute_s", "failed"]
         self.metric_offset = offset
         self.link_offset = offset + len(self.metric_slots)
         #: per sampled client: uplink ok, downlink ok, uplink s, downlink s, compute s
@@ -160,27 +160,12 @@ class Engine(Evaluation):
     def _slot(self, name: str) -> int:
         return self.metric_offset + self.metric_slots.index(name)
 
-    def run_round(self, t: int) -> Dict[str, float]:
-        cfg, world, algo = self.cfg, self.world, self.algo
-        t0 = time.perf_counter()
-        sampled = sample_clients(cfg.seed, t, len(self.training_clients), cfg.clients_per_round)
-        if self.cold_start:  # positions in the training pool -> client ids
-            sampled = sorted(self.training_clients[i] for i in sampled)
-        assignment = assign_clients(sampled, self.sizes, world.size)
-        mine = [c for c in sampled if assignment[c] == world.rank]
-        rnd = RoundInfo(t, sampled, mine, cfg.lr * cfg.lr_decay ** t)
-        if self.uses_store:
-            self.client_state.migrate(assignment)
-        algo.global_state = self.global_state
-        algo.ledger.reset()  # before round_begin: traffic booked during its exchanges counts
-        algo.round_begin(rnd)
-
-        buf = self.round_buffer
-        buf.zero_()
-        nonfinite: List[int] = []
+    def _train_clients(self, rnd: RoundInfo, buf: torch.Tensor, nonfinite: List[int]) -> None:
+        """Train this rank's clients of the round, adding their weighted uploads and metrics to
+        ``buf``; clients whose loss is not finite go to ``nonfinite`` instead."""
+        cfg, algo, t, sampled = self.cfg, self.algo, rnd.index, rnd.sampled
         position = {cid: i for i, cid in enumerate(sampled)}
-        self.model.train()
-        for cid, ctx, traffic_before, c0 in self._trained_clients(rnd, mine):
+        for cid, ctx, traffic_before, c0 in self._trained_clients(rnd, rnd.my_clients):
             loss_sum = float(ctx.loss_sum)  # one device sync per client
             if not math.isfinite(loss_sum):
                 nonfinite.append(cid)
@@ -204,6 +189,34 @@ class Engine(Evaluation):
                 sl, spec = self.uploads[name]
                 buf[sl].add_(tensor.reshape(-1), alpha=weight if spec.weighted else 1.0)
             buf[self._slot("weight")] += weight
+
+    def run_round(self, t: int) -> Dict[str, float]:
+        cfg, world, algo = self.cfg, self.world, self.algo
+        t0 = time.perf_counter()
+        sampled = sample_clients(cfg.seed, t, len(self.training_clients), cfg.clients_per_round)
+        if self.cold_start:  # positions in the training pool -> client ids
+            sampled = sorted(self.training_clients[i] for i in sampled)
+        assignment = assign_clients(sampled, self.sizes, world.size)
+        mine = [c for c in sampled if assignment[c] == world.rank]
+        rnd = RoundInfo(t, sampled, mine, cfg.lr * cfg.lr_decay ** t)
+        if self.uses_store:
+            self.client_state.migrate(assignment)
+        algo.global_state = self.global_state
+        algo.ledger.reset()  # before round_begin: traffic booked during its exchanges counts
+        algo.round_begin(rnd)
+
+        buf = self.round_buffer
+        buf.zero_()
+        nonfinite: List[int] = []
+        self.model.train()
+        # A client that fails on this rank alone must not leave the others in the all-reduce:
+        # its error rides in the buffer and every rank raises it together (World.raise_together).
+        failure: Optional[Exception] = None
+        try:
+            self._train_clients(rnd, buf, nonfinite)
+        except Exception as e:
+            failure = e
+            buf[self._slot("failed")] = 1.0
         buf[self._slot("nonfinite")] = len(nonfinite)
         buf[self._slot("stop")] = 1.0 if self._stop_signal else 0.0
         buf[self.ledger_offset:] = algo.ledger.values.to(buf)
@@ -211,6 +224,8 @@ class Engine(Evaluation):
         world.heartbeat()  # on NCCL runs: a dead peer is reported by gloo, not by NCCL's watchdog
         world.all_reduce_sum_(buf)  # the round's one collective: weighted sums + metrics
 
+        if buf[self._slot("failed")] > 0:
+            world.raise_together(failure, f"training round {t + 1}")
         if buf[self._slot("nonfinite")] > 0:
             bad = sorted(c for part in world.all_gather_object(nonfinite) for c in part)
             raise NonFiniteLossError(

@@ -76,10 +76,19 @@ class Evaluation:
         bs = self.cfg.eval_batch_size
         return sum(self._eval_sums(x[s:s + bs], y[s:s + bs])[1] for s in range(0, y.shape[0], bs))
 
-    def _summed_over_ranks(self, table: torch.Tensor, count_row: int) -> Optional[torch.Tensor]:
-        """All-reduce a per-client table; None when no client had a test split."""
+    def _summed_over_ranks(self, table: torch.Tensor, count_row: int, failure: Optional[Exception],
+                           where: str) -> Optional[torch.Tensor]:
+        """All-reduce a per-client table; None when no client had a test split.
+
+        The table's last row holds, in its first entry, 1 on a rank whose part failed
+        (``failure``): a client's model or adaptation is the algorithm's code on one rank's
+        clients, and an error there alone must not leave the other ranks in this all-reduce
+        (World.raise_together). The row is dropped from what is returned."""
         self.world.all_reduce_sum_(table)
         table = table.cpu()
+        if table[-1, 0] > 0:
+            self.world.raise_together(failure, where)
+        table = table[:-1]
         return table if bool((table[count_row] > 0).any()) else None
 
     def _evaluator_rank(self, cid: int) -> int:
@@ -94,27 +103,33 @@ class Evaluation:
         same splits when some client's model differs from it, and the spread across clients."""
         n = self.data.num_clients
         dev = self.world.device
-        # per client: correct (own model), count, correct (global model), has own model
-        table = torch.zeros(4, n, dtype=torch.float64, device=dev)
+        # per client: correct (own model), count, correct (global model), has own model; row 4
+        # counts failed ranks
+        table = torch.zeros(5, n, dtype=torch.float64, device=dev)
         self.model.eval()
-        for cid in self.training_clients:  # cold-start clients are evaluated once, at the end
-            if self._evaluator_rank(cid) != self.world.rank:
-                continue
-            x, y = self.data.client_test_split(cid)
-            if y.numel() == 0:
-                continue
-            own = self.algo.client_model(cid)
-            for col, state in ((2, self.global_state), (0, own)):
-                if state is None:
+        failure: Optional[Exception] = None  # one rank's failure stops every rank: see _summed_over_ranks
+        try:
+            for cid in self.training_clients:  # cold-start clients are evaluated once, at the end
+                if self._evaluator_rank(cid) != self.world.rank:
                     continue
-                self.flat.load_(state)
-                table[col, cid] = self._correct(x, y)
-            table[1, cid] = y.numel()
-            if own is None:
-                table[0, cid] = table[2, cid]
-            else:
-                table[3, cid] = 1
-        table = self._summed_over_ranks(table, 1)
+                x, y = self.data.client_test_split(cid)
+                if y.numel() == 0:
+                    continue
+                own = self.algo.client_model(cid)
+                for col, state in ((2, self.global_state), (0, own)):
+                    if state is None:
+                        continue
+                    self.flat.load_(state)
+                    table[col, cid] = self._correct(x, y)
+                table[1, cid] = y.numel()
+                if own is None:
+                    table[0, cid] = table[2, cid]
+                else:
+                    table[3, cid] = 1
+        except Exception as e:
+            failure = e
+            table[4, 0] = 1.0
+        table = self._summed_over_ranks(table, 1, failure, "the clients' own models' evaluation")
         if table is None:
             return {}
         has = table[1] > 0
@@ -136,28 +151,33 @@ class Evaluation:
         joins after the last round run (``stop_round``: --rounds, or where --stop-epsilon ended
         the run), with that round index for its batches and the learning rate decayed to it."""
         dev, n = self.world.device, self.data.num_clients
-        table = torch.zeros(3, n, dtype=torch.float64, device=dev)  # correct before, after, count
+        table = torch.zeros(4, n, dtype=torch.float64, device=dev)  # correct before, after, count; failed ranks
         end = self.stop_round
         rnd = RoundInfo(end, [], [], self.cfg.lr * self.cfg.lr_decay ** end)
-        for cid in self.cold_start:
-            if cid % self.world.size != self.world.rank:
-                continue
-            x, y = self.data.client_test_split(cid)
-            if y.numel() == 0:
-                continue
-            for col in (0, 1):
-                self.flat.load_(self.global_state)
-                if col == 1:
-                    seed_torch(derive_seed(self.cfg.seed, "adapt", cid), self.world.device)
-                    self.model.zero_grad(set_to_none=True)  # no gradient left from the last training step
-                    self.model.train()
-                    ctx = ClientContext(self.algo, cid, self._to_device(self.data.client(cid)), rnd)
-                    self.algo.adapt(self.model, ctx)
-                self.model.eval()
-                with torch.no_grad():
-                    table[col, cid] = self._correct(x, y)
-            table[2, cid] = y.numel()
-        table = self._summed_over_ranks(table, 2)
+        failure: Optional[Exception] = None  # one rank's failure stops every rank: see _summed_over_ranks
+        try:
+            for cid in self.cold_start:
+                if cid % self.world.size != self.world.rank:
+                    continue
+                x, y = self.data.client_test_split(cid)
+                if y.numel() == 0:
+                    continue
+                for col in (0, 1):
+                    self.flat.load_(self.global_state)
+                    if col == 1:
+                        seed_torch(derive_seed(self.cfg.seed, "adapt", cid), self.world.device)
+                        self.model.zero_grad(set_to_none=True)  # no gradient left from the last training step
+                        self.model.train()
+                        ctx = ClientContext(self.algo, cid, self._to_device(self.data.client(cid)), rnd)
+                        self.algo.adapt(self.model, ctx)
+                    self.model.eval()
+                    with torch.no_grad():
+                        table[col, cid] = self._correct(x, y)
+                table[2, cid] = y.numel()
+        except Exception as e:
+            failure = e
+            table[3, 0] = 1.0
+        table = self._summed_over_ranks(table, 2, failure, "the cold-start clients' adaptation")
         if table is None:
             return {}
         has = table[2] > 0

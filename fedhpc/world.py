@@ -23,12 +23,12 @@ import re
 import socket
 import sys
 from datetime import timedelta
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, RankFailure
+from .errors import ConfigError, FedHPCError, RankFailure
 from .hostlist import first_host
 
 
@@ -243,6 +243,32 @@ class World:
         box = [obj]
         self._guard("broadcast_object", dist.broadcast_object_list, box, src=src, group=self._cpu_group)
         return box[0]
+
+    def raise_together(self, failure: Optional[Exception], where: str) -> None:
+        """Raise on every rank once a collective has told them that some rank's work failed.
+
+        Work between two collectives can fail on one rank alone: a client that only it trains,
+        a server micro-batch that only it runs. Raised there alone, the error would leave the
+        other ranks in the next collective until --collective-timeout, and rank 0, which prints
+        the errors every rank shares, would never see it. So that work catches its exception,
+        adds a failure count to the collective it makes anyway and, where the count is not 0,
+        every rank calls this (one gather of who failed and why): a failing rank raises its own
+        exception; the others raise the first failing rank's error with its rank named, or a
+        RankFailure pointing at that rank's traceback if it was not a FedHPCError.
+        """
+        if failure is None or isinstance(failure, FedHPCError):
+            report = failure  # fedhpc's errors pickle: the others raise the same kind
+        else:
+            report = f"{type(failure).__name__}: {failure}"
+        reports = self.all_gather_object(report)
+        if failure is not None:
+            raise failure
+        rank, first = next((r, x) for r, x in enumerate(reports) if x is not None)
+        if isinstance(first, FedHPCError):  # an unpickled copy: ours to change
+            first.args = (f"{first} [raised on rank {rank}, {where}]",)
+            raise first
+        raise RankFailure(f"{where} failed on rank {rank} with {first} (its traceback is in that "
+                          f"rank's output); the latest checkpoint is intact")
 
     def heartbeat(self) -> None:
         """On NCCL runs, a one-number gloo all-reduce before the round's NCCL collective.

@@ -53,6 +53,10 @@ The rules, which the tests re-implement independently:
   a caller that wants momentum to persist asks for more steps in one call.
 * Side effects: the caller's RNG state, the model's train/eval mode and its
   ``.grad`` fields are restored on return.
+* Failures: an exception raised on some ranks only (say in a loss on the ranks
+  that have a micro-batch) never leaves the others waiting in an all-reduce:
+  every rank raises at the end of the fit, the failing ones their own error,
+  the others that error naming the rank (:meth:`fedhpc.world.World.raise_together`).
 """
 
 from __future__ import annotations
@@ -230,8 +234,8 @@ class ServerTrainer:
         grad_pairs = [(p, v) for p, v in zip(params, views) if p.requires_grad]
         for p, v in grad_pairs:
             p.grad = v
-        # [0, P): gradient sums; [P, N): buffer-update sums; N: loss sum.
-        acc = torch.zeros(N + 1, dtype=torch.float64, device=dev)
+        # [0, P): gradient sums; [P, N): buffer-update sums; N: loss sum; N + 1: ranks failed.
+        acc = torch.zeros(N + 2, dtype=torch.float64, device=dev)
         loss_total = torch.zeros((), dtype=torch.float64, device=dev)
         buf_pre = flat.flat[P:].clone() if has_buffers else None
         int_buffers = self._integer_buffers()
@@ -242,6 +246,42 @@ class ServerTrainer:
         was_training = model.training
         opt = self._optimizer(trainable, cfg)
         mb_size, samples, step = cfg.micro_batch, 0, 0
+        # A micro-batch that fails on this rank alone (the last batch of a pass may leave other
+        # ranks without one) must not leave them in the all-reduce: this rank stops its work but
+        # keeps joining the steps, a failure count rides along, and every rank raises together
+        # at the end (World.raise_together), read with the loss in the fit's one device sync.
+        failure: Optional[Exception] = None
+        failures = torch.zeros((), dtype=torch.float64, device=dev)
+
+        def run_my_micro_batches(step: int, idx: torch.Tensor, n_micro: int) -> None:
+            """This rank's micro-batches of one batch: gradients, buffer updates and losses into acc."""
+            for j in range(world.rank, n_micro, world.size):
+                mb = idx[j * mb_size: (j + 1) * mb_size]
+                if has_buffers:  # every micro-batch starts from the pre-step statistics
+                    flat.flat[P:].copy_(buf_pre)
+                for pre, (b, _) in zip(int_pre, int_buffers):
+                    b.copy_(pre)
+                gen.manual_seed(derive_seed(seed, "server_micro", step, j))
+                aug.manual_seed(derive_seed(seed, "server_augment", step, j))
+                xb = transform(_take(x, mb, dev), True, aug)
+                eb = self._slice_extra(extra, mb)
+                losses = loss_fn(model(xb), _take(targets, mb, dev), eb)
+                if losses.shape != (mb.numel(),):
+                    raise ConfigError(f"server loss_fn must return per-sample losses of shape "
+                                      f"[{mb.numel()}]; got {tuple(losses.shape)} (do not reduce "
+                                      f"with mean or sum: the trainer sums and divides by the batch size)")
+                grad.zero_()
+                losses.sum().backward()
+                for p, v in grad_pairs:
+                    if p.grad is not v:  # a backward that replaced .grad instead of adding to it
+                        v.copy_(p.grad)
+                        p.grad = v
+                acc[:P] += grad
+                if has_buffers:
+                    acc[P:N] += flat.flat[P:]
+                    acc[P:N] -= buf_pre
+                acc[N] += losses.detach().sum()
+
         start = time.perf_counter()
         try:
             model.train()
@@ -253,33 +293,15 @@ class ServerTrainer:
                     buf_pre.copy_(flat.flat[P:])
                 for pre, (b, _) in zip(int_pre, int_buffers):
                     pre.copy_(b)
-                for j in range(world.rank, n_micro, world.size):
-                    mb = idx[j * mb_size: (j + 1) * mb_size]
-                    if has_buffers:  # every micro-batch starts from the pre-step statistics
-                        flat.flat[P:].copy_(buf_pre)
-                    for pre, (b, _) in zip(int_pre, int_buffers):
-                        b.copy_(pre)
-                    gen.manual_seed(derive_seed(seed, "server_micro", step, j))
-                    aug.manual_seed(derive_seed(seed, "server_augment", step, j))
-                    xb = transform(_take(x, mb, dev), True, aug)
-                    eb = self._slice_extra(extra, mb)
-                    losses = loss_fn(model(xb), _take(targets, mb, dev), eb)
-                    if losses.shape != (mb.numel(),):
-                        raise ConfigError(f"server loss_fn must return per-sample losses of shape "
-                                          f"[{mb.numel()}]; got {tuple(losses.shape)} (do not reduce "
-                                          f"with mean or sum: the trainer sums and divides by the batch size)")
-                    grad.zero_()
-                    losses.sum().backward()
-                    for p, v in grad_pairs:
-                        if p.grad is not v:  # a backward that replaced .grad instead of adding to it
-                            v.copy_(p.grad)
-                            p.grad = v
-                    acc[:P] += grad
-                    if has_buffers:
-                        acc[P:N] += flat.flat[P:]
-                        acc[P:N] -= buf_pre
-                    acc[N] += losses.detach().sum()
+                if failure is None:
+                    try:
+                        run_my_micro_batches(step, idx, n_micro)
+                    except Exception as e:
+                        failure = e
+                if failure is not None:
+                    acc[N + 1] = 1.0
                 world.all_reduce_sum_(acc)
+                failures += acc[N + 1]
                 acc[:P].div_(B)
                 if cfg.grad_clip > 0:
                     acc[:P].mul_((cfg.grad_clip / (acc[:P].norm() + 1e-6)).clamp_(max=1.0))
@@ -291,7 +313,10 @@ class ServerTrainer:
                     b.copy_(pre + 1 if counts_steps else pre)
                 loss_total += acc[N]
                 samples += B
-            mean_loss = float(loss_total) / samples  # one device sync, at the end
+            loss_sum, failed = torch.stack([loss_total, failures]).tolist()  # one device sync, at the end
+            if failed > 0:
+                world.raise_together(failure, "server training")
+            mean_loss = loss_sum / samples
         finally:
             gen.set_state(rng_state)
             model.train(was_training)

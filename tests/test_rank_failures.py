@@ -1,0 +1,66 @@
+"""An error raised on one rank only stops every rank at once, and rank 0 says what it was.
+
+Work between two collectives (a client only one rank trains, a server micro-batch only some
+ranks run) can fail on one rank alone. Raised there alone, the error left the other ranks in the
+next all-reduce until --collective-timeout, and rank 0, which prints the errors every rank
+shares, reported only that a peer had died. Real 2-rank launches of tests/failure_probe.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST, REPO, clean_env, mpiexec
+
+PROBE = os.path.join(REPO, "tests", "failure_probe.py")
+
+
+def run_probe(*args, timeout=150):
+    cmd = [mpiexec(), "-n", "2", sys.executable, PROBE, *args]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def launcher_error(mode, out):
+    """The one error line rank 0 printed for a 2-rank run of the probe, checked for the exit
+    code of a DataError (2), not RankFailure's 4 (a peer that "probably died")."""
+    proc = run_probe(mode, out, *FAST, "--collective-timeout", "60")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, text[-3000:]  # rank 0 speaks for both
+    assert "peer rank" not in text
+    return errors[0]
+
+
+def test_a_client_failing_on_one_rank_is_reported_by_rank_0_and_stops_both(tmp_path):
+    out = str(tmp_path / "run")
+    error = launcher_error("client", out)
+    assert "shard is corrupt; prepare the dataset again [raised on rank 1, training round 2]" in error
+    with open(os.path.join(out, "metrics.jsonl")) as f:  # round 1 was kept, round 2 was not
+        rounds = [json.loads(line)["round"] for line in f]
+    assert rounds == [1]
+
+
+def test_a_client_model_failing_on_one_rank_at_evaluation_is_reported_by_rank_0(tmp_path):
+    error = launcher_error("evaluation", str(tmp_path / "run"))
+    assert "model file is unreadable; rerun with --resume [raised on rank 1, the clients' own models' " \
+           "evaluation]" in error
+
+
+@pytest.mark.parametrize("kind, rank0_says", [
+    ("config", "ConfigError: the teacher outputs have 9 labels for a 10-label model; gather them again "
+               "[raised on rank 1, server training]"),
+    ("bug", "RankFailure: server training failed on rank 1 with RuntimeError: mat1 and mat2 shapes cannot "
+            "be multiplied (its traceback is in that rank's output)"),
+])
+def test_a_server_micro_batch_failing_on_one_rank_raises_on_every_rank(kind, rank0_says, tmp_path):
+    proc = run_probe("server", kind, str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert said[0].startswith(rank0_says), said[0]
+    own = "ConfigError: the teacher outputs" if kind == "config" else "RuntimeError: mat1 and mat2"
+    assert said[1].startswith(own), said[1]
+    assert "[raised on rank" not in said[1]  # the failing rank raises its own error, unchanged
