@@ -196,8 +196,16 @@ class Evaluation:
     def _holder_broadcast(self, cid: int) -> Optional[torch.Tensor]:
         """Client ``cid``'s model (``algo.client_model``) on every rank, or None for the global one."""
         holder = self._evaluator_rank(cid)
-        own = self.algo.client_model(cid) if holder == self.world.rank else None
-        if not self.world.broadcast_object(own is not None, src=holder):
+        own, failure = None, None
+        if holder == self.world.rank:
+            try:  # the holder alone runs it: its failure must not leave the others in the broadcast
+                own = self.algo.client_model(cid)
+            except Exception as e:
+                failure = e
+        has_own = self.world.broadcast_object("failed" if failure is not None else own is not None, src=holder)
+        if has_own == "failed":
+            self.world.raise_together(failure, f"client {cid}'s model (the reference device)")
+        if not has_own:
             return None
         state = own.to(self.world.device, self.flat.flat.dtype) if own is not None else torch.empty_like(self.flat.flat)
         return self.world.broadcast_(state.contiguous(), src=holder)

@@ -7,6 +7,9 @@ Usage:
   python tests/failure_probe.py evaluation OUT [launcher flags...]
       the same with a FedAvg whose client_model (the model a client evaluates on its local test
       split) fails on rank 1 alone.
+  python tests/failure_probe.py reference OUT [launcher flags...]
+      the same with a FedAvg keeping client state whose client_model fails wherever it runs:
+      with --no-local-eval only the rank holding the reference device runs it.
   python tests/failure_probe.py server KIND OUT
       ServerTrainer.fit whose loss fails on rank 1 alone (KIND "config": a ConfigError; "bug": a
       RuntimeError). Each rank writes "ERRORTYPE: MESSAGE" to OUT/rank<r>.txt and exits 0.
@@ -47,6 +50,17 @@ class ClientModelFailsOnRank1(FedAvg):
         return super().client_model(cid)
 
 
+@register_algorithm("reference_model_fails")
+class ReferenceModelFails(FedAvg):
+    """FedAvg with client state (so the reference device's model is fetched from its holder)
+    whose client_model always fails."""
+
+    uses_client_state = True
+
+    def client_model(self, cid):
+        raise DataError(f"client {cid}'s model file is unreadable; rerun with --resume")
+
+
 def server(kind: str, out: str) -> None:
     from fedhpc.flat import FlatModel
     from fedhpc.models import build_model
@@ -82,7 +96,8 @@ def server(kind: str, out: str) -> None:
 if __name__ == "__main__":
     from fedhpc.launch import exit_now, main
 
-    algo = {"client": "fails_on_rank_1", "evaluation": "client_model_fails_on_rank_1"}.get(sys.argv[1])
+    algo = {"client": "fails_on_rank_1", "evaluation": "client_model_fails_on_rank_1",
+            "reference": "reference_model_fails"}.get(sys.argv[1])
     if algo is not None:
         exit_now(main(["--algo", algo, "--out", sys.argv[2], *sys.argv[3:]]))
     server(sys.argv[2], sys.argv[3])

@@ -8,6 +8,7 @@ shares, reported only that a peer had died. Real 2-rank launches of tests/failur
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,10 +24,10 @@ def run_probe(*args, timeout=150):
     return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def launcher_error(mode, out):
+def launcher_error(mode, out, *flags):
     """The one error line rank 0 printed for a 2-rank run of the probe, checked for the exit
     code of a DataError (2), not RankFailure's 4 (a peer that "probably died")."""
-    proc = run_probe(mode, out, *FAST, "--collective-timeout", "60")
+    proc = run_probe(mode, out, *FAST, "--collective-timeout", "60", *flags)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -64,3 +65,11 @@ def test_a_server_micro_batch_failing_on_one_rank_raises_on_every_rank(kind, ran
     own = "ConfigError: the teacher outputs" if kind == "config" else "RuntimeError: mat1 and mat2"
     assert said[1].startswith(own), said[1]
     assert "[raised on rank" not in said[1]  # the failing rank raises its own error, unchanged
+
+
+def test_the_reference_devices_model_failing_on_its_rank_is_reported_by_rank_0(tmp_path):
+    """Without local evaluation, only the rank holding the reference device asks for its model."""
+    error = launcher_error("reference", str(tmp_path / "run"), "--no-local-eval")
+    assert "model file is unreadable; rerun with --resume" in error
+    if "[raised on rank" in error:  # rank 1 holds it; else rank 0 printed its own error
+        assert re.search(r"\[raised on rank 1, client \d+'s model \(the reference device\)\]$", error), error
