@@ -128,7 +128,7 @@ class Evaluation:
                     table[3, cid] = 1
         except Exception as e:
             failure = e
-            table[4, 0] = 1.0
+            table[-1, 0] = 1.0
         table = self._summed_over_ranks(table, 1, failure, "the clients' own models' evaluation")
         if table is None:
             return {}
@@ -176,7 +176,7 @@ class Evaluation:
                 table[2, cid] = y.numel()
         except Exception as e:
             failure = e
-            table[3, 0] = 1.0
+            table[-1, 0] = 1.0
         table = self._summed_over_ranks(table, 2, failure, "the cold-start clients' adaptation")
         if table is None:
             return {}
