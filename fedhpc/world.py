@@ -256,17 +256,23 @@ class World:
         exception; the others raise the first failing rank's error with its rank named, or a
         RankFailure pointing at that rank's traceback if it was not a FedHPCError.
         """
-        if failure is None or isinstance(failure, FedHPCError):
-            report = failure  # fedhpc's errors pickle: the others raise the same kind
-        else:
+        # The error travels as plain strings, never as the exception object: an error class
+        # defined inside a function does not pickle (the failing rank would raise alone and
+        # leave the others in this gather), and one whose __init__ takes other arguments than
+        # a message does not unpickle. The others rebuild the class by name around the message.
+        report = None
+        if isinstance(failure, FedHPCError):
+            kind = type(failure)
+            report = (kind.__module__, kind.__qualname__, failure.exit_code, str(failure))
+        elif failure is not None:
             report = f"{type(failure).__name__}: {failure}"
         reports = self.all_gather_object(report)
         if failure is not None:
             raise failure
         rank, first = next((r, x) for r, x in enumerate(reports) if x is not None)
-        if isinstance(first, FedHPCError):  # an unpickled copy: ours to change
-            first.args = (f"{first} [raised on rank {rank}, {where}]",)
-            raise first
+        if isinstance(first, tuple):
+            module, qualname, exit_code, message = first
+            raise _fedhpc_error(module, qualname, exit_code, f"{message} [raised on rank {rank}, {where}]")
         raise RankFailure(f"{where} failed on rank {rank} with {first} (its traceback is in that "
                           f"rank's output); the latest checkpoint is intact")
 
@@ -314,3 +320,21 @@ class World:
         return (f"{self.size} rank(s) via {self.launcher}, backend "
                 f"{self.backend if self.size > 1 else 'none'}, device {self.device}, "
                 f"{self.threads} thread(s) per rank")
+
+
+def _fedhpc_error(module: str, qualname: str, exit_code: int, message: str) -> FedHPCError:
+    """The FedHPCError another rank raised, rebuilt from its class's name and its message.
+
+    Built without calling the class's ``__init__`` (whose arguments this rank does not have);
+    a class this rank cannot find by name (defined inside a function) becomes a FedHPCError
+    with the same exit code, so the launcher still prints it and exits as the original would.
+    """
+    kind: Any = sys.modules.get(module)
+    for name in qualname.split("."):
+        kind = getattr(kind, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, FedHPCError)):
+        kind = FedHPCError
+    error = kind.__new__(kind)
+    error.args = (message,)
+    error.exit_code = exit_code
+    return error

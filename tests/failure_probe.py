@@ -12,7 +12,9 @@ Usage:
       with --no-local-eval only the rank holding the reference device runs it.
   python tests/failure_probe.py server KIND OUT
       ServerTrainer.fit whose loss fails on rank 1 alone (KIND "config": a ConfigError; "bug": a
-      RuntimeError). Each rank writes "ERRORTYPE: MESSAGE" to OUT/rank<r>.txt and exits 0.
+      RuntimeError; "custom": a FedHPCError subclass whose __init__ takes no message; "local": one
+      defined inside a function, which cannot pickle). Each rank writes "ERRORTYPE: MESSAGE" and,
+      for fedhpc's errors, a second line "exit code N" to OUT/rank<r>.txt and exits 0.
 """
 
 import os
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from fedhpc.algorithms import register_algorithm
 from fedhpc.algorithms.fedavg import FedAvg
-from fedhpc.errors import ConfigError, DataError
+from fedhpc.errors import ConfigError, DataError, FedHPCError
 
 
 def on_rank_1() -> bool:
@@ -61,6 +63,15 @@ class ReferenceModelFails(FedAvg):
         raise DataError(f"client {cid}'s model file is unreadable; rerun with --resume")
 
 
+class ShardMissing(FedHPCError):
+    """An error class built from its own arguments, not from a message."""
+
+    exit_code = 5
+
+    def __init__(self, cid: int, path: str):
+        super().__init__(f"client {cid}'s shard {path} is missing; prepare the dataset again")
+
+
 def server(kind: str, out: str) -> None:
     from fedhpc.flat import FlatModel
     from fedhpc.models import build_model
@@ -71,6 +82,12 @@ def server(kind: str, out: str) -> None:
         if on_rank_1():
             if kind == "config":
                 raise ConfigError("the teacher outputs have 9 labels for a 10-label model; gather them again")
+            if kind == "custom":
+                raise ShardMissing(7, "shards/7.h5")
+            if kind == "local":
+                class TeacherMissing(FedHPCError):
+                    exit_code = 6
+                raise TeacherMissing("the teacher outputs are missing; gather them again")
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
         return torch.nn.functional.cross_entropy(logits, y, reduction="none")
 
@@ -87,6 +104,8 @@ def server(kind: str, out: str) -> None:
             said = "nothing raised"
         except Exception as e:
             said = f"{type(e).__name__}: {e}"
+            if isinstance(e, FedHPCError):
+                said += f"\nexit code {e.exit_code}"
         with open(os.path.join(out, f"rank{world.rank}.txt"), "w") as f:
             f.write(said)
     finally:

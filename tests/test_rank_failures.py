@@ -56,13 +56,21 @@ def test_a_client_model_failing_on_one_rank_at_evaluation_is_reported_by_rank_0(
                "[raised on rank 1, server training]"),
     ("bug", "RankFailure: server training failed on rank 1 with RuntimeError: mat1 and mat2 shapes cannot "
             "be multiplied (its traceback is in that rank's output)"),
+    # Errors travel by class name and message: a class whose __init__ takes no message did not
+    # unpickle on rank 0 (a TypeError there), and one defined in a function did not pickle on
+    # rank 1 (rank 0 waited for it until the collective timeout).
+    ("custom", "ShardMissing: client 7's shard shards/7.h5 is missing; prepare the dataset again "
+               "[raised on rank 1, server training]\nexit code 5"),
+    ("local", "FedHPCError: the teacher outputs are missing; gather them again "
+              "[raised on rank 1, server training]\nexit code 6"),
 ])
 def test_a_server_micro_batch_failing_on_one_rank_raises_on_every_rank(kind, rank0_says, tmp_path):
     proc = run_probe("server", kind, str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     said = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert said[0].startswith(rank0_says), said[0]
-    own = "ConfigError: the teacher outputs" if kind == "config" else "RuntimeError: mat1 and mat2"
+    own = {"config": "ConfigError: the teacher outputs", "bug": "RuntimeError: mat1 and mat2",
+           "custom": "ShardMissing: client 7", "local": "TeacherMissing: the teacher"}[kind]
     assert said[1].startswith(own), said[1]
     assert "[raised on rank" not in said[1]  # the failing rank raises its own error, unchanged
 
