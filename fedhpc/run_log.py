@@ -1,0 +1,100 @@
+"""What a run leaves behind while it runs: ``config.yaml``, ``metrics.jsonl`` (one line per
+evaluated round, fsynced), TensorBoard scalars and HParams, and the line per round on stdout.
+
+A mixin of :class:`fedhpc.engine.Engine`, like :mod:`fedhpc.evaluation`: it reads the engine's
+config, rank and round range. Only rank 0 writes. On resume ``metrics.jsonl`` keeps exactly the
+rounds the checkpoint covers, so the resumed run's file equals the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict
+
+from .io import atomic_write_text
+
+
+class RunLog:
+    """Output methods of the engine (see the module docstring)."""
+
+    def _open_outputs(self) -> None:
+        cfg = self.cfg
+        if not (cfg.out and self.is_main):
+            return
+        os.makedirs(cfg.out, exist_ok=True)
+        import yaml
+        atomic_write_text(os.path.join(cfg.out, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        path = os.path.join(cfg.out, "metrics.jsonl")
+        # On resume keep exactly the rounds the checkpoint covers: the resumed run then
+        # appends what the uninterrupted run would have written.
+        kept = []
+        if os.path.exists(path):
+            for line in open(path):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line from a crash
+                if rec.get("round", 0) <= self.start_round:
+                    kept.append(json.dumps(rec))
+        atomic_write_text(path, "".join(k + "\n" for k in kept))
+        self._metrics_file = open(path, "a")
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(os.path.join(cfg.out, "tensorboard"), purge_step=self.start_round + 1)
+            except ImportError:
+                print("warning: tensorboard is not installed; no event files (pip install tensorboard)")
+
+    def _log(self, metrics: Dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        if self._metrics_file is not None and "test_accuracy" in metrics:
+            self._metrics_file.write(json.dumps(metrics) + "\n")
+            self._metrics_file.flush()
+            os.fsync(self._metrics_file.fileno())
+        if self._tb is not None:
+            step = metrics["round"]
+            for k, v in metrics.items():
+                if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+        if not self.cfg.quiet:
+            line = (f"round {metrics['round']:4d}/{self.cfg.rounds} | train_loss {metrics['train_loss']:.4f}")
+            if "test_accuracy" in metrics:
+                line += f" | test_acc {metrics['test_accuracy']:.4f}"
+            if "local_test_accuracy_mean" in metrics:
+                # the mean over clients is what personalised papers report (pMixFed's tables)
+                line += f" | local_acc_mean {metrics['local_test_accuracy_mean']:.4f}"
+            if "reference_device_accuracy" in metrics:
+                line += f" | ref_dev_acc {metrics['reference_device_accuracy']:.4f}"
+            line += f" | up {metrics['bytes_up'] / 2**20:.2f} MiB | down {metrics['bytes_down'] / 2**20:.2f} MiB"
+            if "sim_seconds_total" in metrics:
+                line += (f" | outages up {metrics['uplink_outages']} down {metrics['downlink_outages']}"
+                         f" | sim {metrics['sim_seconds_total']:.2f} s")
+            line += f" | {metrics['round_seconds']:.2f} s"
+            print(line, flush=True)
+
+    def _final_line(self, final: Dict[str, float]) -> str:
+        line = (f"final test accuracy {final['test_accuracy']:.4f} (test loss {final['test_loss']:.4f}) "
+                f"after {self.stop_round} rounds")
+        if "reference_device_accuracy" in final:
+            line += f"; reference device {self.reference_device}: accuracy {final['reference_device_accuracy']:.4f}"
+        if "sim_seconds_total" in final:
+            line += f", convergence time {final['sim_seconds_total']:.2f} s (simulated channel + measured compute)"
+        return line
+
+    def _write_hparams(self, final: Dict[str, float]) -> None:
+        """Hyperparameters and final metrics for TensorBoard's HParams tab (a sweep compares runs there)."""
+        if self._tb is None:
+            return
+        try:
+            from .report.tensorboard import write_hparams
+        except ImportError:  # tensorboard not installed: the scalars were skipped too
+            return
+        write_hparams(os.path.join(self.cfg.out, "tensorboard"), self.cfg.to_dict(), final, writer=self._tb)
+
+    def _close_outputs(self) -> None:
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+        if self._tb is not None:
+            self._tb.close()
