@@ -4,6 +4,7 @@ Layout under ``OUT/checkpoints``::
 
     round_000010/server.pt            global state, algorithm server state, run identity (rank 0)
     round_000010/client_state/rank<r>/<cid>.pt   per-client state held by rank r (if any)
+    round_000010/client_state/rank<r>/index.json its files' sizes and sha256
     round_000010/manifest.json        sha256 of server.pt, world size, written last
     LATEST                            name of the newest complete checkpoint (atomic replace)
 
@@ -29,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .client_state import read_shard_index
 from .errors import CheckpointError
 from .io import atomic_torch_save, atomic_write_json, atomic_write_text
 
@@ -96,6 +98,7 @@ def save(out: str, round_done: int, world, server: Dict[str, Any], client_store=
             "format": FORMAT, "version": VERSION, "round": round_done,
             "server_sha256": _sha256(os.path.join(partial, "server.pt")),
             "client_state_shards": shards,
+            "client_state_index": True,  # each shard lists its files (client_state.SHARD_INDEX)
         })
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -160,7 +163,14 @@ def _read(directory: str) -> Dict[str, Any]:
     if missing:
         raise _Damaged(f"client-state shard {missing[0]} is missing ({len(missing)} of {len(shards)} "
                        f"shards that manifest.json lists)")
+    indexed = bool(manifest.get("client_state_index", False))  # False: saved before shards had one
+    for shard in shards:  # every state file there, at its saved size (its sha256 is checked as it loads)
+        try:
+            read_shard_index(shard, indexed)
+        except CheckpointError as e:
+            raise _Damaged(str(e))
     body["client_state_dirs"] = shards
+    body["client_state_indexed"] = indexed
     return body
 
 

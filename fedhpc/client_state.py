@@ -12,13 +12,48 @@ first out) and spills the rest to ``spill_dir/rank<r>/<cid>.pt``.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
+import re
 import shutil
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .errors import CheckpointError
+from .io import atomic_write_json
+
+#: each checkpoint shard's list of client-state files: {cid: {"bytes": n, "sha256": hex}}
+SHARD_INDEX = "index.json"
+
+
+def read_shard_index(directory: str, indexed: bool = True) -> Dict[int, Optional[Dict[str, Any]]]:
+    """The client-state files a checkpoint shard holds, checked to exist with their saved size.
+
+    Raises CheckpointError naming the first problem (the caller decides whether an older
+    checkpoint can stand in). ``indexed=False``: a checkpoint saved before shards had an index
+    (the manifest says which); its ``<cid>.pt`` files are taken as they are.
+    """
+    if not indexed:
+        return {int(fn[:-3]): None for fn in os.listdir(directory) if re.fullmatch(r"\d+\.pt", fn)}
+    path = os.path.join(directory, SHARD_INDEX)
+    try:
+        with open(path) as f:
+            index = {int(cid): entry for cid, entry in json.load(f).items()}
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path} is missing or unreadable ({e})")
+    for cid, entry in index.items():
+        file = os.path.join(directory, f"{cid}.pt")
+        size = os.path.getsize(file) if os.path.exists(file) else None
+        if size is None:
+            raise CheckpointError(f"client state {file} is missing ({len(index)} files listed in {path})")
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"client state {file} has {size} bytes, {entry.get('bytes')} when saved "
+                                  f"(truncated or overwritten)")
+    return index
 
 
 def state_nbytes(obj: Any) -> int:
@@ -152,37 +187,59 @@ class ClientStateStore:
         return len(moves)
 
     def save_shard(self, directory: str) -> int:
-        """Write every held state to ``directory/<cid>.pt`` (bounded memory: one at a time)."""
+        """Write every held state to ``directory/<cid>.pt`` (bounded memory: one at a time), then
+        ``directory/index.json``: each file's size and sha256, so that a resume finds a state
+        file deleted, truncated or damaged after the save (the checkpoint is then skipped for an
+        older intact one) instead of silently restarting that client from scratch."""
         os.makedirs(directory, exist_ok=True)
-        n = 0
+        index = {}
         for cid in self.held():
             path = os.path.join(directory, f"{cid}.pt")
             if cid in self._mem:
-                torch.save(self._mem[cid], path)
+                buffer = io.BytesIO()
+                torch.save(self._mem[cid], buffer)
+                data = buffer.getvalue()
             else:
-                shutil.copyfile(self._spill_path(cid), path)
-            n += 1
-        return n
+                with open(self._spill_path(cid), "rb") as f:
+                    data = f.read()
+            with open(path, "wb") as f:
+                f.write(data)
+            index[str(cid)] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        atomic_write_json(os.path.join(directory, SHARD_INDEX), index)
+        return len(index)
 
-    def load_shards(self, shard_dirs: List[str]) -> None:
+    def load_shards(self, shard_dirs: List[str], indexed: bool = True) -> None:
         """Restore from checkpoint shards written by any number of ranks.
 
-        Shard s goes to rank s % world_size; the location map is rebuilt collectively.
+        Shard s goes to rank s % world_size; the location map is rebuilt collectively. Only the
+        files the shard's index lists are read, each checked against its sha256.
         """
         self._mem.clear(); self._mem_bytes = 0
         for cid in list(self._spilled):
             self._drop_spilled(cid)
-        mine = []
-        for s, d in enumerate(shard_dirs):
-            if s % self.world.size != self.world.rank or not os.path.isdir(d):
-                continue
-            for fn in sorted(os.listdir(d)):
-                if fn.endswith(".pt"):
-                    cid = int(fn[:-3])
-                    self._insert(cid, torch.load(os.path.join(d, fn), weights_only=False))
+        mine, failure = [], None
+        try:
+            for s, d in enumerate(shard_dirs):
+                if s % self.world.size != self.world.rank:
+                    continue
+                for cid, entry in sorted(read_shard_index(d, indexed).items()):
+                    path = os.path.join(d, f"{cid}.pt")
+                    with open(path, "rb") as f:
+                        data = f.read()
+                    if entry is not None and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                        raise CheckpointError(
+                            f"client state {path} is corrupt (its sha256 does not match {SHARD_INDEX}); "
+                            f"move {os.path.dirname(os.path.dirname(d))} away to resume from the "
+                            f"checkpoint before it, or restore the file")
+                    self._insert(cid, torch.load(io.BytesIO(data), weights_only=False))
                     mine.append(cid)
+        except Exception as e:  # on this rank alone: the others must not wait in the gather
+            failure = e
+        gathered = self.world.all_gather_object(None if failure is not None else mine)
+        if any(cids is None for cids in gathered):
+            self.world.raise_together(failure, "restoring the client states")
         self.location = {}
-        for r, cids in enumerate(self.world.all_gather_object(mine)):
+        for r, cids in enumerate(gathered):
             self.location.update({c: r for c in cids})
 
     def close(self) -> None:

@@ -385,7 +385,7 @@ class Engine(Evaluation, RunLog):
         self.round_seconds_total = float(body.get("round_seconds_total", 0.0))
         self._previous_convergence_state = body.get("previous_convergence_state")
         if self.uses_store:
-            self.client_state.load_shards(body["client_state_dirs"])
+            self.client_state.load_shards(body["client_state_dirs"], body.get("client_state_indexed", True))
         self.start_round = int(body["round"])
         if body.get("stop_round"):
             self.stop_round = int(body["stop_round"])  # the run had converged: nothing left to do

@@ -16,6 +16,7 @@ import sys
 import torch
 
 from fedhpc import checkpoint
+from fedhpc.client_state import ClientStateStore
 from fedhpc.errors import CheckpointError
 from fedhpc.world import World
 
@@ -23,12 +24,16 @@ IDENTITY = {"algo": "fedavg", "lr": 0.1, "seed": 3}
 
 
 class ShardStore:
-    def __init__(self, rank):
-        self.rank = rank
+    """A client-state store holding one client per rank (client = rank), as save calls it."""
+
+    def __init__(self, world):
+        self.world = world
 
     def save_shard(self, directory):
-        os.makedirs(directory, exist_ok=True)
-        torch.save({"rank": self.rank}, os.path.join(directory, f"{self.rank}.pt"))
+        store = ClientStateStore(self.world, 1 << 20, directory + ".spill")
+        store.put(self.world.rank, {"rank": torch.tensor(self.world.rank)})
+        store.save_shard(directory)
+        store.close()
 
 
 def corrupt(path):
@@ -53,7 +58,7 @@ def main():
     run = os.path.join(out, "run")
     for r in (10, 20):
         server = {"identity": IDENTITY, "global_state": torch.full((4,), float(r))}
-        checkpoint.save(run, r, world, server, ShardStore(world.rank))
+        checkpoint.save(run, r, world, server, ShardStore(world))
     if world.rank == 0:
         for r in range(world.size):  # private copies per rank, before any damage
             shutil.copytree(run, os.path.join(out, f"same{r}"))

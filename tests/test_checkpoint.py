@@ -13,6 +13,7 @@ import torch
 
 from conftest import FAST, REPO, clean_env, final_weights, launch, max_diff, mpiexec
 from fedhpc import checkpoint as ckpt
+from fedhpc.client_state import ClientStateStore
 from fedhpc.errors import CheckpointError
 from fedhpc.world import World
 
@@ -131,11 +132,14 @@ IDENTITY = {"algo": "fedavg", "lr": 0.1, "seed": 3}
 
 
 class ShardStore:
-    """The one method checkpoint.save needs from the client-state store."""
+    """A one-rank client-state store holding clients 3 and 7, as checkpoint.save calls it."""
 
     def save_shard(self, directory):
-        os.makedirs(directory, exist_ok=True)
-        torch.save({"cid": 7}, os.path.join(directory, "7.pt"))
+        store = ClientStateStore(World(threads=1), 1 << 20, directory + ".spill")
+        for cid in (3, 7):
+            store.put(cid, {"algo": torch.full((4,), float(cid))})
+        store.save_shard(directory)
+        store.close()
 
 
 def saved_run(tmp_path, rounds=(10, 20), identities=None, shards=True):
@@ -159,6 +163,11 @@ def flip_byte(path):
     open(path, "wb").write(bytes(blob))
 
 
+def truncate(path):
+    blob = open(path, "rb").read()
+    open(path, "wb").write(blob[: len(blob) // 2])
+
+
 def unreadable_despite_checksum(d):
     """server.pt replaced by junk, manifest updated to match: only torch.load can tell."""
     server = os.path.join(d, "server.pt")
@@ -176,13 +185,20 @@ CORRUPTIONS = {
     "server_missing": lambda d: os.remove(os.path.join(d, "server.pt")),
     "server_unreadable": unreadable_despite_checksum,
     "shard_missing": lambda d: shutil.rmtree(os.path.join(d, "client_state", "rank0")),
+    # One client's state file deleted or cut short after the save: resuming it would restart
+    # that client from nothing (a personal model lost) without a word.
+    "state_file_missing": lambda d: os.remove(os.path.join(d, "client_state", "rank0", "3.pt")),
+    "state_file_truncated": lambda d: truncate(os.path.join(d, "client_state", "rank0", "7.pt")),
+    "shard_index_missing": lambda d: os.remove(os.path.join(d, "client_state", "rank0", "index.json")),
     "directory_gone": lambda d: shutil.rmtree(d),  # LATEST names a directory that is not there
 }
 # The words each warning must carry so a user knows what broke.
 REASON = {"manifest_missing": "manifest.json", "manifest_garbage": "manifest.json",
           "manifest_not_fedhpc": "manifest.json", "sha_mismatch": "sha256",
           "server_missing": "server.pt is missing", "server_unreadable": "cannot be read",
-          "shard_missing": "rank0", "directory_gone": "LATEST names"}
+          "shard_missing": "rank0", "directory_gone": "LATEST names",
+          "state_file_missing": "3.pt is missing", "state_file_truncated": "7.pt has",
+          "shard_index_missing": "index.json"}
 
 
 @pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
@@ -210,6 +226,39 @@ def test_intact_newest_is_used_silently(tmp_path):
     assert directory == cdir(out, 20) == ckpt.latest(out) and body["round"] == 20
     assert body["global_state"].tolist() == [20.0] * 3 and warnings == []
     assert ckpt.load(directory, IDENTITY)["round"] == 20
+
+
+def restored_store(directory, indexed=True):
+    store = ClientStateStore(World(threads=1), 1 << 20, os.path.join(os.path.dirname(directory), "spill"))
+    store.load_shards([os.path.join(directory, "client_state", "rank0")], indexed)
+    return store
+
+
+def test_client_states_restore_as_saved_and_a_changed_byte_is_named(tmp_path):
+    """A flipped byte keeps the file's size, so only the sha256 check as the state loads sees it."""
+    out = saved_run(tmp_path, rounds=(10,))
+    store = restored_store(cdir(out, 10))
+    assert store.location == {3: 0, 7: 0}
+    assert store.get(3)["algo"].tolist() == [3.0] * 4 and store.get(7)["algo"].tolist() == [7.0] * 4
+    flip_byte(os.path.join(cdir(out, 10), "client_state", "rank0", "7.pt"))
+    with pytest.raises(CheckpointError, match=r"7\.pt is corrupt.*sha256.*move .*checkpoints.* away"):
+        restored_store(cdir(out, 10))
+
+
+def test_a_checkpoint_saved_before_shard_indexes_still_resumes(tmp_path):
+    """Without an index (manifest without client_state_index) a shard's <cid>.pt files are read
+    as they are; other files there are not clients."""
+    out = saved_run(tmp_path, rounds=(10,))
+    shard = os.path.join(cdir(out, 10), "client_state", "rank0")
+    os.remove(os.path.join(shard, "index.json"))
+    open(os.path.join(shard, "notes.pt"), "w").write("a stray file")
+    manifest_path = os.path.join(cdir(out, 10), "manifest.json")
+    manifest = json.load(open(manifest_path))
+    del manifest["client_state_index"]
+    json.dump(manifest, open(manifest_path, "w"))
+    directory, body = ckpt.load_latest_intact(out, IDENTITY, warn=None)
+    assert body["client_state_indexed"] is False
+    assert restored_store(directory, indexed=False).location == {3: 0, 7: 0}
 
 
 def test_no_checkpoint_gives_none(tmp_path):
