@@ -36,16 +36,21 @@ class Evaluation:
         return metrics
 
     def _evaluate_global(self, state: torch.Tensor) -> Dict[str, float]:
-        """A flat model on the global test set, sharded over ranks by contiguous slices."""
+        """A flat model on the global test set, sharded over ranks by contiguous runs of batches."""
         self.flat.load_(state)
         self.model.eval()
-        n = self.data.num_test()
-        start, stop = n * self.world.rank // self.world.size, n * (self.world.rank + 1) // self.world.size
+        # The test set is cut into eval batches once, the same for any number of ranks, and each
+        # rank takes a contiguous run of whole batches: every sample then meets the same batch
+        # (a matmul's float32 rounding depends on the batch's size), so with float64 sums the
+        # loss and accuracy do not depend on the rank count.
+        n, batch = self.data.num_test(), self.cfg.eval_batch_size
+        batches = -(-n // batch)
+        first, last = batches * self.world.rank // self.world.size, batches * (self.world.rank + 1) // self.world.size
         per_label = self.cfg.per_label_accuracy
         classes = self.data.num_classes
         sums = torch.zeros(3 + (2 * classes if per_label else 0), dtype=torch.float64, device=self.world.device)
-        for s in range(start, stop, self.cfg.eval_batch_size):
-            x, y = self.data.test_slice(s, min(s + self.cfg.eval_batch_size, stop))
+        for b in range(first, last):
+            x, y = self.data.test_slice(b * batch, min((b + 1) * batch, n))
             sums += self._eval_sums(x, y, per_label)
         self.world.all_reduce_sum_(sums)
         count = max(float(sums[2]), 1.0)
@@ -63,7 +68,10 @@ class Evaluation:
         x, y = x.to(self.world.device), y.to(self.world.device)
         logits = self.model(self.data.transform(x, False, None))
         hit = logits.argmax(-1) == y
-        sums = torch.stack([task_loss(logits, y, reduction="sum").double(), hit.sum().double(),
+        # Each sample's float32 loss is summed in float64, where such sums are exact, so the
+        # order in which batches and ranks add up does not move the test loss.
+        losses = task_loss(logits, y, reduction="none").double()
+        sums = torch.stack([losses.sum(), hit.sum().double(),
                             torch.tensor(float(y.numel())).to(logits.device, torch.float64)])
         if not per_label:
             return sums

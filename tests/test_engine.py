@@ -234,6 +234,42 @@ def test_per_label_accuracy_is_a_brute_force_count_over_the_test_set():
     assert not any(k.startswith("test_accuracy_label") for k in plain)
 
 
+class ShardWorld:
+    """Rank ``rank`` of ``size`` for one evaluation; keeps the sums it would all-reduce."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size, self.device, self.sums = rank, size, torch.device("cpu"), None
+
+    def all_reduce_sum_(self, tensor):
+        self.sums = tensor.clone()
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_the_test_sums_do_not_depend_on_the_number_of_ranks(size):
+    """Each rank evaluates its shard of the global test set: the shards' sums must add up to one
+    rank's sums exactly (with float32 sums per batch over rank-cut batches, the test loss moved
+    in the 7th digit between 1 and 2 ranks)."""
+    eng = make_engine(num_clients=4, clients_per_round=2, rounds=1, seed=5, eval_batch_size=40,
+                      per_label_accuracy=True)
+    eng.run()
+
+    def sums(rank, size):
+        eng.world = ShardWorld(rank, size)
+        eng._evaluate_global(eng.global_state)
+        return eng.world.sums
+
+    whole = sums(0, 1)
+    assert torch.equal(sum(sums(r, size) for r in range(size)), whole)
+    assert whole[2] == eng.data.num_test()
+    eng.flat.load_(eng.global_state)
+    eng.model.eval()
+    x, y = eng.data.test_slice(0, eng.data.num_test())
+    with torch.no_grad():  # independent: every sample's loss in float64, in one sum
+        each = torch.nn.functional.cross_entropy(eng.model(eng.data.transform(x, False, None)).double(), y,
+                                                 reduction="none")
+    assert float(whole[0]) == pytest.approx(float(each.sum()), rel=1e-6)
+
+
 def test_full_participation_with_cold_start_clients_samples_every_training_client():
     eng = make_engine(num_clients=10, clients_per_round=10, rounds=2, seed=1, cold_start_fraction=0.2)
     assert eng.cfg.clients_per_round == 8 == len(eng.training_clients)
