@@ -351,7 +351,7 @@ class Engine(Evaluation, RunLog):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, round_done: int) -> None:
         server = {
-            "identity": self.cfg.identity(),
+            "identity": self._identity(),
             "model": self.model_name,
             "global_state": self.global_state.cpu(),
             "algo_state": to_device(self.algo.state_dict(), "cpu"),
@@ -364,8 +364,13 @@ class Engine(Evaluation, RunLog):
         store = self.client_state if self.uses_store else None
         checkpoint.save(self.cfg.out, round_done, self.world, server, store)
 
+    def _identity(self) -> Dict:
+        """The settings a checkpoint must share with the run resuming it: the config's, plus
+        those the algorithm's updates read (``Algorithm.identity_settings``)."""
+        return {**self.cfg.identity(), **{k: getattr(self.cfg, k) for k in self.algo.identity_settings}}
+
     def restore(self) -> None:
-        found = checkpoint.load_latest_intact(self.cfg.out, self.cfg.identity(), warn=self._warn, world=self.world)
+        found = checkpoint.load_latest_intact(self.cfg.out, self._identity(), warn=self._warn, world=self.world)
         if found is None:
             if self.is_main:
                 print(f"no checkpoint in {self.cfg.out}: starting from round 0", flush=True)
@@ -387,6 +392,11 @@ class Engine(Evaluation, RunLog):
         if self.uses_store:
             self.client_state.load_shards(body["client_state_dirs"], body.get("client_state_indexed", True))
         self.start_round = int(body["round"])
+        if self.start_round > self.cfg.rounds:
+            raise CheckpointError(
+                f"checkpoint {directory} is after round {self.start_round}, past --rounds {self.cfg.rounds}; "
+                f"resume with --rounds {self.start_round} or more (its final model is "
+                f"{self.cfg.out}/final_model.pt if that run finished), or use another --out")
         if body.get("stop_round"):
             self.stop_round = int(body["stop_round"])  # the run had converged: nothing left to do
         if self.is_main:

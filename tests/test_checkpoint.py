@@ -117,6 +117,33 @@ def test_resume_extends_a_finished_run(tmp_path, uninterrupted):
     assert max_diff(final_weights(uninterrupted), final_weights(out)) <= 1e-5
 
 
+def test_resume_with_fewer_rounds_than_the_checkpoint_is_refused(tmp_path, uninterrupted):
+    """A 40-round run resumed with --rounds 30 printed 'final ... after 30 rounds' over the
+    round-40 model; it must say the checkpoint is past --rounds, and change nothing."""
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted, out)
+    before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("metrics.jsonl", "config.yaml", "final_model.pt")}
+    fewer = ARGS[:]
+    fewer[fewer.index("--rounds") + 1] = "30"
+    p = launch(fewer + ["--out", out, "--resume"])
+    assert p.returncode == 2, p.stderr
+    assert "after round 40, past --rounds 30; resume with --rounds 40 or more" in p.stderr, p.stderr
+    assert before == {f: os.path.getmtime(os.path.join(out, f)) for f in before}
+
+
+@pytest.mark.parametrize("algo, extends", [("pmixfed", False), ("pmixfed_dynamic", True)])
+def test_an_algorithm_whose_schedule_reads_rounds_does_not_resume_with_other_rounds(tmp_path, algo, extends):
+    """pMixFed's delta(t) = t / T: 2 rounds extended to 3 would not be the 3-round run."""
+    out = str(tmp_path / "run")
+    args = FAST + ["--algo", algo, "--out", out, "--checkpoint-every", "1"]
+    assert launch(args[:1] + ["2"] + args[2:]).returncode == 0
+    p = launch(args[:1] + ["3"] + args[2:] + ["--resume"])
+    if extends:
+        assert p.returncode == 0, p.stderr
+    else:
+        assert p.returncode == 2 and "rounds: checkpoint 2 vs now 3" in p.stderr, p.stderr
+
+
 def test_resume_without_checkpoint_starts_fresh(tmp_path):
     out = str(tmp_path / "new")
     p = launch([a for a in FAST if a != "--quiet"] + ["--out", out, "--resume"])

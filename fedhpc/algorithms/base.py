@@ -182,6 +182,9 @@ class Algorithm:
     ledger_kinds: Tuple[str, ...] = ("parameters",)
     #: whether the algorithm keeps per-client state (engine then checkpoints the store)
     uses_client_state = False
+    #: RunConfig settings outside RunConfig.IDENTITY that this algorithm's updates read (e.g.
+    #: a schedule over ``rounds``): a checkpoint then resumes only with the same values
+    identity_settings: Tuple[str, ...] = ()
 
     def __init__(self, cfg: "RunConfig", options: Any, model: nn.Module, flat: "FlatModel",
                  data: "FederatedData", comm: "World", client_state: Any):

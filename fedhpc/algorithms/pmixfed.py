@@ -126,6 +126,9 @@ class PMixFed(PersonalAlgorithm):
 
     # ------------------------------------------------------------------ the mix factor
     adaptive = True
+    # delta(t) = t / T (Eq. 6) reads the run's length: a run resumed with more --rounds would
+    # continue on another schedule than the uninterrupted longer run, so T is part of its identity.
+    identity_settings = ("rounds",)
 
     def delta(self, t: int) -> float:
         return t / self.cfg.rounds
@@ -250,6 +253,7 @@ class PMixFedDynamic(PMixFed):
 
     Options = PMixFedDynamicOptions
     adaptive = False
+    identity_settings = ()  # no schedule: a finished run extends with more --rounds
 
     def aggregation_mu(self) -> float:
         return self.options.mu
