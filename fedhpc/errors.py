@@ -23,6 +23,10 @@ class CheckpointError(FedHPCError):
     """A checkpoint is missing, corrupt, or belongs to a different run."""
 
 
+class OutputError(FedHPCError):
+    """An output (metrics, checkpoint, model) cannot be written: disk full, read-only, no permission."""
+
+
 class NonFiniteLossError(FedHPCError):
     """A client's loss became NaN or infinite."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import tempfile
@@ -9,20 +11,42 @@ from typing import Any, Callable
 
 import torch
 
+from .errors import OutputError
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+#: mode of the files written here: what open() would give (mkstemp's 0600 would hide a run's
+#: results from the colleagues a cluster group shares them with)
+_FILE_MODE = 0o666 & ~_umask()
+
+#: errors of the disk rather than of the program: reported as OutputError, naming the path
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
 
 def _atomic(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
+    tmp = None
     try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
+        os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            raise OutputError(f"cannot write {path}: {e.strerror}; free space or fix the permissions "
+                              f"there, or choose another --out (files already written, such as the last "
+                              f"checkpoint, are intact)") from e
         raise
 
 
@@ -32,7 +56,11 @@ def atomic_write_bytes(path: str, write: Callable[[Any], None]) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
-    _atomic(path, lambda f: torch.save(obj, f))
+    # Serialised in memory first: torch.save's own writer reports a full disk as "unexpected
+    # pos", while a plain write raises the OSError (ENOSPC) that names the problem.
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _atomic(path, lambda f: f.write(buffer.getbuffer()))
 
 
 def atomic_write_text(path: str, text: str) -> None:

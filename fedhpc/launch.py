@@ -7,7 +7,7 @@ import sys
 import traceback
 from typing import List, Optional
 
-from .errors import ConfigError, FedHPCError, RankFailure
+from .errors import ConfigError, FedHPCError, OutputError, RankFailure
 
 
 def _refuse_existing_run(cfg) -> None:
@@ -18,20 +18,50 @@ def _refuse_existing_run(cfg) -> None:
                               f"to continue it, or choose another --out")
 
 
+def _check_out_is_writable(cfg) -> None:
+    """--out must be (or become) a writable directory: found now, not after the data has loaded
+    and the model is built (or, on a read-only path, at the first checkpoint)."""
+    if not cfg.out:
+        return
+    out = os.path.abspath(cfg.out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {cfg.out} is a file, not a directory; choose another --out")
+    existing = out
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--out {cfg.out} lies under {existing}, which is a file; choose another --out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {cfg.out}: {existing} is not writable by this user; fix its permissions "
+                          f"or choose another --out")
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the launcher's environment says, before any World exists."""
+    for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from .config import parse_args
 
     world = None
     graceful = True
+    cfg = None
     try:
         cfg, algo_options, data_options = parse_args(argv)
         _refuse_existing_run(cfg)
+        _check_out_is_writable(cfg)
         from .engine import EXIT_PREEMPTED, Engine, Preempted
         from .world import World
 
         world = World(cfg.device, cfg.threads, cfg.collective_timeout, cfg.collective_backend, cfg.deterministic)
         if world.rank == 0 and world.backend_note:
             print(f"note: {world.backend_note}", file=sys.stderr, flush=True)
+        if world.rank == 0 and world.thread_note:
+            print(f"warning: {world.thread_note}", file=sys.stderr, flush=True)
         engine = Engine(cfg, algo_options, data_options, world)
         try:
             engine.run()
@@ -46,13 +76,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         graceful = False
         print(f"[rank {world.rank if world else 0}] error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except OutputError as e:
+        # A disk that fills or a permission that changes strikes one rank at one write: the
+        # others would wait for it in the next collective, so bring them down.
+        graceful = False
+        print(f"[rank {world.rank if world else _launcher_rank()}] error: {e}", file=sys.stderr, flush=True)
+        if world is not None:
+            world.abort(e.exit_code)
+        return e.exit_code
     except FedHPCError as e:
         # Errors from configuration, data and checkpoints are the same on every rank and
-        # NaN losses are agreed on collectively: rank 0 speaks for all.
-        if world is None or world.rank == 0:
+        # NaN losses are agreed on collectively: rank 0 speaks for all (before the World
+        # exists, as the launcher numbered the processes).
+        if (world.rank if world is not None else _launcher_rank()) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
+        graceful = False
+        if (world.rank if world is not None else _launcher_rank()) == 0:
+            kept = (f"; the last checkpoint in {cfg.out}/checkpoints is intact: continue with the same "
+                    f"command plus --resume" if cfg is not None and cfg.out else "")
+            print(f"interrupted{kept}", file=sys.stderr, flush=True)
         return 130
     except Exception:
         graceful = False

@@ -148,6 +148,12 @@ class World:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         self.threads = threads or max(1, (cores or 1) // max(1, self.local_size))
         torch.set_num_threads(self.threads)
+        #: said once by rank 0: more threads than cores makes every rank wait for the others'
+        self.thread_note = ""
+        if self.threads * self.local_size > (cores or 1):
+            self.thread_note = (f"{self.threads} thread(s) per rank x {self.local_size} rank(s) on this node "
+                                f"exceed its {cores} core(s): rounds run slower than with fewer; drop --threads "
+                                f"(then cores / ranks on the node) or set it to {max(1, (cores or 1) // self.local_size)}")
 
         use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
         if use_cuda:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import yaml
 
@@ -60,3 +61,81 @@ def test_sigusr1_checkpoints_and_exits_75(tmp_path):
     done = int(open(os.path.join(out, "checkpoints", "LATEST")).read().split("_")[1])
     assert 1 <= done < 400
     assert sum(1 for _ in open(path)) == done
+
+
+def test_ctrl_c_says_the_last_checkpoint_is_intact_and_how_to_continue(tmp_path):
+    out = str(tmp_path / "run")
+    args = FAST[:]
+    args[args.index("--rounds") + 1] = "400"
+    proc = subprocess.Popen([sys.executable, "-m", "fedhpc.launch", *args, "--out", out, "--checkpoint-every", "2"],
+                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    path = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(path) and sum(1 for _ in open(path)) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"interrupted; the last checkpoint in {out}/checkpoints is intact: continue with the same " \
+           f"command plus --resume" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_an_out_that_cannot_be_a_directory_is_refused_before_anything_runs(tmp_path, where):
+    blocker = tmp_path / "results.txt"
+    blocker.write_text("someone's notes")
+    out = str(blocker) if where == "file" else str(blocker / "run")
+    p = launch(FAST + ["--out", out])
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith(f"error: --out {out} ") and "choose another --out" in p.stderr, p.stderr
+    assert "fedhpc:" not in p.stdout  # refused before the data and the model were built
+    assert blocker.read_text() == "someone's notes"
+
+
+def test_a_config_error_under_mpiexec_is_printed_once(tmp_path):
+    p = launch(FAST + ["--out", str(tmp_path / "run"), "--batch-size", "0"], ranks=2)
+    assert p.returncode == 2
+    assert p.stderr.count("error:") == 1, p.stderr
+
+
+def test_outputs_are_as_readable_as_any_file_the_user_writes(tmp_path):
+    """mkstemp's 0600 hid results from the colleagues a cluster group shares them with."""
+    from fedhpc.io import atomic_torch_save, atomic_write_text
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    atomic_write_text(str(tmp_path / "metrics.jsonl"), "{}\n")
+    atomic_torch_save({"w": torch.zeros(2)}, str(tmp_path / "final_model.pt"))
+    for name in ("metrics.jsonl", "final_model.pt"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == os.stat(plain).st_mode & 0o777
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    import errno
+
+    from fedhpc import io as fio
+    from fedhpc.errors import OutputError
+    path = tmp_path / "checkpoints" / "server.pt"
+    fio.atomic_torch_save({"round": 1}, str(path))
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fio.os, "fsync", full)
+    with pytest.raises(OutputError, match=rf"cannot write {path}: No space left on device; free space"):
+        fio.atomic_torch_save({"round": 2}, str(path))
+    monkeypatch.undo()
+    assert torch.load(str(path)) == {"round": 1}
+    assert os.listdir(path.parent) == ["server.pt"]  # no temporary file left behind
+
+
+def test_more_threads_than_cores_is_warned_about(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    args = FAST[:]
+    args[args.index("--rounds") + 1] = "1"
+    args[args.index("--threads") + 1] = str(cores + 1)
+    p = launch(args)
+    assert p.returncode == 0, p.stderr
+    assert f"warning: {cores + 1} thread(s) per rank x 1 rank(s) on this node exceed its {cores} core(s)" in p.stderr
+    args[args.index("--threads") + 1] = str(cores)
+    assert "exceed" not in launch(args).stderr
