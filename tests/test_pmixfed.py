@@ -171,3 +171,39 @@ def test_options_are_checked():
     with pytest.raises(ConfigError, match="client-test-fraction"):
         engine(["--algo", "pmixfed", *BASE, "--client-test-fraction", "0"])
     engine(["--algo", "pmixfed", *BASE, "--client-test-fraction", "0", "--acc-split", "train"])  # allowed
+
+
+class SlotComm:
+    """One rank's side of the all-reduce: keeps what it would send and returns ``total``."""
+
+    def __init__(self, total=None):
+        self.sent, self.total = None, total
+
+    def all_reduce_sum_(self, tensor):
+        self.sent = tensor.clone()
+        if self.total is not None:
+            tensor.copy_(self.total)
+
+
+@pytest.mark.parametrize("ranks", [[[0, 1, 2, 3, 4]], [[0, 1], [2, 3, 4]], [[0], [1, 2], [3, 4]]])
+def test_acc_overall_does_not_depend_on_how_clients_are_spread_over_ranks(ranks, monkeypatch):
+    """Acc_overall sets every mu, so it must be the same number on any rank count; accuracies
+    chosen so that adding them in another grouping changes the last bit."""
+    from fractions import Fraction
+
+    from fedhpc.algorithms import RoundInfo
+    eng = engine(["--algo", "pmixfed", *BASE])
+    algo = eng.algo
+    sampled = [6, 2, 5, 0, 3]
+    accs = dict(zip(sampled, [0.84, 0.43, 0.76, 0.0, 0.45]))
+    monkeypatch.setattr(algo, "_acc_data", lambda cid, ctx=None: (cid,))
+    monkeypatch.setattr(algo, "accuracy", lambda state, cid: accs[cid])
+    sends = []
+    for shard in ranks:  # what every rank contributes
+        algo.comm = SlotComm()
+        algo.round_begin(RoundInfo(3, sampled, [sampled[i] for i in shard], 0.1))
+        sends.append(algo.comm.sent)
+    algo.comm = SlotComm(total=sum(sends))
+    algo.round_begin(RoundInfo(3, sampled, [sampled[i] for i in ranks[0]], 0.1))
+    exact = sum(Fraction(a) for a in accs.values())  # independent: rational arithmetic
+    assert algo.acc_global == float(exact) / len(sampled)

@@ -146,14 +146,19 @@ class PMixFed(PersonalAlgorithm):
         super().round_begin(rnd)
         if not self.adaptive:
             return
-        # Acc_overall: the starting global model on the sampled clients' splits, mean over clients
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # Acc_overall: the starting global model on the sampled clients' splits, mean over clients.
+        # Each client's accuracy has its own slot (one rank writes it, the all-reduce adds zeros
+        # to it) and the slots are added exactly (fsum): a sum of fractions made rank by rank
+        # would depend on the rank count in its last bit, and Acc_overall sets every mu.
+        position = {cid: i for i, cid in enumerate(rnd.sampled)}
+        slots = torch.zeros(2, len(rnd.sampled), dtype=torch.float64, device=self.device)
         for cid in rnd.my_clients:
             acc = self.accuracy(self.global_state, *self._acc_data(cid))
             if not math.isnan(acc):
-                sums += torch.tensor([acc, 1.0], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce_sum_(sums)
-        self.acc_global = float(sums[0] / sums[1]) if sums[1] > 0 else 1.0
+                slots[:, position[cid]] = torch.tensor([acc, 1.0], dtype=torch.float64)
+        self.comm.all_reduce_sum_(slots)
+        accs = slots[0][slots[1] > 0].tolist()
+        self.acc_global = math.fsum(accs) / len(accs) if accs else 1.0
         self.mu_aggregation = mix_factor(self.acc_global, self.delta(rnd.index), self.options.b)
 
     def _acc_data(self, cid: int, ctx=None):
