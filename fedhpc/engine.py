@@ -241,6 +241,7 @@ class Engine(Evaluation, RunLog):
         # the algorithm always sees the current global state: personal methods build a client's
         # model from it (client_model, adapt) when evaluating after this round
         algo.global_state = self.global_state
+        algo.rounds_done = t + 1
         ledger = algo.ledger.as_metrics(buf[self.ledger_offset:].double().cpu())
         self.cum_bytes["bytes_up_total"] += ledger["bytes_up"]
         self.cum_bytes["bytes_down_total"] += ledger["bytes_down"]
@@ -360,6 +361,10 @@ class Engine(Evaluation, RunLog):
             "round_seconds_total": self.round_seconds_total,
             "previous_convergence_state": self._previous_convergence_state,
             "stop_round": self.stop_round if self.stop_round < self.cfg.rounds else None,
+            # a run's last round was logged with its final evaluation: kept to log it again as
+            # an ordinary round if a resume extends the run (see _record_to_redo)
+            "last_round_metrics": (self._round_metrics if round_done == self.cfg.rounds
+                                   and self.stop_round == self.cfg.rounds else None),
         }
         store = self.client_state if self.uses_store else None
         checkpoint.save(self.cfg.out, round_done, self.world, server, store)
@@ -392,6 +397,8 @@ class Engine(Evaluation, RunLog):
         if self.uses_store:
             self.client_state.load_shards(body["client_state_dirs"], body.get("client_state_indexed", True))
         self.start_round = int(body["round"])
+        self._final_round_metrics = body.get("last_round_metrics")
+        self.algo.rounds_done = self.start_round
         if self.start_round > self.cfg.rounds:
             raise CheckpointError(
                 f"checkpoint {directory} is after round {self.start_round}, past --rounds {self.cfg.rounds}; "
@@ -401,6 +408,21 @@ class Engine(Evaluation, RunLog):
             self.stop_round = int(body["stop_round"])  # the run had converged: nothing left to do
         if self.is_main:
             print(f"resumed from {directory} after round {self.start_round}", flush=True)
+
+    def _record_to_redo(self) -> Optional[Dict[str, float]]:
+        """Collective. A finished run extended by --resume with more --rounds logged its last
+        round with the final evaluation (FedBABU's fine-tuned heads, cold-start clients) and
+        logged it even off the --eval-every grid; the longer run logs that round as an ordinary
+        one. Its training metrics (kept in the checkpoint) with, on the grid, an ordinary
+        evaluation of the restored model, replace that record. None: nothing to redo."""
+        saved = getattr(self, "_final_round_metrics", None)
+        if not saved or self.start_round >= self.stop_round:
+            return None
+        record = dict(saved)
+        if self.start_round % self.cfg.eval_every == 0:
+            record.update(self.evaluate())
+        record.pop("stop", None)
+        return record
 
     def _warn(self, message: str) -> None:
         if self.is_main:
@@ -414,7 +436,10 @@ class Engine(Evaluation, RunLog):
         cfg = self.cfg
         if cfg.resume:
             self.restore()
-        self._open_outputs()
+        redo = self._record_to_redo()
+        self._open_outputs(redo_last=redo is not None)
+        if redo is not None:
+            self._log(redo, echo=False)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
         final: Dict[str, float] = {}
         try:
@@ -430,6 +455,7 @@ class Engine(Evaluation, RunLog):
                 if converged:
                     self.stop_round = t + 1  # before the final evaluation: cold-start clients join here
                 last = t + 1 == cfg.rounds or converged
+                self._round_metrics = dict(metrics)  # before evaluation: a checkpoint keeps it
                 if last or (t + 1) % cfg.eval_every == 0:
                     self.algo.final_evaluation = last  # a run that converges early ends here too
                     metrics.update(self.evaluate())

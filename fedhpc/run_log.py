@@ -18,8 +18,11 @@ from .io import atomic_write_text
 class RunLog:
     """Output methods of the engine (see the module docstring)."""
 
-    def _open_outputs(self) -> None:
+    def _open_outputs(self, redo_last: bool = False) -> None:
+        """``redo_last``: the checkpoint's round is logged again (see Engine._record_to_redo), so
+        metrics.jsonl and TensorBoard keep only the rounds before it."""
         cfg = self.cfg
+        keep_to = self.start_round - 1 if redo_last else self.start_round
         if not (cfg.out and self.is_main):
             return
         os.makedirs(cfg.out, exist_ok=True)
@@ -35,18 +38,18 @@ class RunLog:
                     rec = json.loads(line)
                 except ValueError:
                     continue  # a torn last line from a crash
-                if rec.get("round", 0) <= self.start_round:
+                if rec.get("round", 0) <= keep_to:
                     kept.append(json.dumps(rec))
         atomic_write_text(path, "".join(k + "\n" for k in kept))
         self._metrics_file = open(path, "a")
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(cfg.out, "tensorboard"), purge_step=self.start_round + 1)
+                self._tb = SummaryWriter(os.path.join(cfg.out, "tensorboard"), purge_step=keep_to + 1)
             except ImportError:
                 print("warning: tensorboard is not installed; no event files (pip install tensorboard)")
 
-    def _log(self, metrics: Dict[str, float]) -> None:
+    def _log(self, metrics: Dict[str, float], echo: bool = True) -> None:
         if not self.is_main:
             return
         if self._metrics_file is not None and "test_accuracy" in metrics:
@@ -58,7 +61,7 @@ class RunLog:
             for k, v in metrics.items():
                 if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
-        if not self.cfg.quiet:
+        if echo and not self.cfg.quiet:
             line = (f"round {metrics['round']:4d}/{self.cfg.rounds} | train_loss {metrics['train_loss']:.4f}")
             if "test_accuracy" in metrics:
                 line += f" | test_acc {metrics['test_accuracy']:.4f}"

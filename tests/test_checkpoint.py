@@ -144,6 +144,25 @@ def test_an_algorithm_whose_schedule_reads_rounds_does_not_resume_with_other_rou
         assert p.returncode == 2 and "rounds: checkpoint 2 vs now 3" in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("algo, eval_every, first, total", [("fedbabu", 1, 2, 4), ("fedavg", 2, 5, 8)])
+def test_a_finished_run_extended_logs_what_the_longer_run_logs(tmp_path, algo, eval_every, first, total):
+    """A finished run logged its last round with the final evaluation (FedBABU's fine-tuned
+    heads) even off the --eval-every grid; extended, that round must read as in the longer run."""
+    def args(rounds, out):
+        a = FAST + ["--algo", algo, "--eval-every", str(eval_every), "--out", out]
+        a[a.index("--rounds") + 1] = str(rounds)
+        return a
+    straight, extended = str(tmp_path / "straight"), str(tmp_path / "extended")
+    assert launch(args(total, straight)).returncode == 0
+    assert launch(args(first, extended)).returncode == 0
+    p = launch(args(total, extended) + ["--resume"])
+    assert p.returncode == 0, p.stderr
+    assert max_diff(final_weights(straight), final_weights(extended)) == 0
+    a, b = strip_timing(metrics(straight)), strip_timing(metrics(extended))
+    assert [r["round"] for r in b] == [r["round"] for r in a]
+    assert a == b
+
+
 def test_resume_without_checkpoint_starts_fresh(tmp_path):
     out = str(tmp_path / "new")
     p = launch([a for a in FAST if a != "--quiet"] + ["--out", out, "--resume"])

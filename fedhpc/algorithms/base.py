@@ -201,6 +201,8 @@ class Algorithm:
         #: set by the engine: True while it evaluates the model the run ends with, after the
         #: last round or after the round that met --stop-epsilon (e.g. FedBABU fine-tunes then)
         self.final_evaluation = False
+        #: set by the engine: the rounds the current global model has had (also after a resume)
+        self.rounds_done = 0
 
     # ---------------------------------------------------------------- round-level hooks
     def setup(self) -> None:

@@ -230,10 +230,6 @@ class PersonalAlgorithm(Algorithm):
     def setup(self):
         self.options = self.options or self.Options()
         self.layer_map = LayerMap(self.model, self.flat, getattr(self.options, "layer_unit", "block"))
-        self._round_index = self.cfg.rounds  # set every round; the final evaluation's default
-
-    def round_begin(self, rnd: RoundInfo) -> None:
-        self._round_index = rnd.index
 
     def train_epochs(self, model: nn.Module, ctx: ClientContext, epochs: int, params=None,
                      first_epoch: int = 0, loss_fn: Optional[Callable] = None) -> None:
@@ -258,7 +254,7 @@ class PersonalAlgorithm(Algorithm):
     def evaluation_context(self, cid: int) -> ClientContext:
         """A training context for client ``cid`` outside a round (fine-tuning for evaluation):
         its data, round index = the evaluated round + 1, so batches never repeat a round's."""
-        index = min(self._round_index + 1, self.cfg.rounds)
+        index = min(self.rounds_done, self.cfg.rounds)
         rnd = RoundInfo(index, [], [], self.cfg.lr * self.cfg.lr_decay ** index)
         client = self.data.client(cid)
         if self.device.type != "cpu":
