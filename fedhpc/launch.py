@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import traceback
 from typing import List, Optional
 
@@ -31,8 +32,12 @@ def _check_out_is_writable(cfg) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"--out {cfg.out} lies under {existing}, which is a file; choose another --out")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {cfg.out}: {existing} is not writable by this user; fix its permissions "
+    try:  # a probe file, as permissions alone do not tell (root on a read-only mount)
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".fedhpc-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--out {cfg.out}: cannot write in {existing} ({e.strerror}); fix its permissions "
                           f"or choose another --out")
 
 
