@@ -651,3 +651,159 @@ def test_prepare_errors(tmp_path, capsys):
     with pytest.raises(DataError) as e:
         build_dataset(cfg_for(tmp_path, "imagenet200"), None)
     assert "fedhpc.data.prepare imagenet200" in str(e.value) and "image-net.org" in str(e.value)
+
+
+# --------------------------------------------------------------------------- malformed values in the published formats
+
+
+def write_leaf_shakespeare(root):
+    """LEAF layout: x an 80-character string, y the character after it; returns the train file."""
+    text = {"u1": "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer",
+            "u2": "Now is the winter of our discontent Made glorious summer by this sun of York;"}
+    for split in ("train", "test"):
+        os.makedirs(root / split)
+        doc = {"users": list(text), "num_samples": [3, 3], "user_data": {}}
+        for u, t in text.items():
+            doc["user_data"][u] = {"x": [(t * 2)[i:i + 80] for i in range(3)], "y": [(t * 2)[i + 80] for i in range(3)]}
+        (root / split / f"all_data_niid_0_keep_0_{split}_9.json").write_text(json.dumps(doc))
+    return root / "train" / "all_data_niid_0_keep_0_train_9.json"
+
+
+def _edit_json(path, edit):
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("field, value", [("y", [["a"], ["b"], ["c"]]), ("x", [5, 6, 7]), ("y", ["ab", "c", "d"]),
+                                          ("x", [None, "a", "b"]), ("y", [1, 2, 3])])
+def test_shakespeare_leaf_values_of_other_types_are_refused(tmp_path, field, value):
+    train = write_leaf_shakespeare(tmp_path / "shakespeare")
+    _edit_json(train, lambda d: d["user_data"]["u2"].__setitem__(field, value))
+    with pytest.raises(DataError) as e:
+        build_dataset(cfg_for(tmp_path, "shakespeare", "natural", 2), opts("shakespeare", store="memory"))
+    msg = str(e.value)
+    assert str(train) in msg and "user 'u2'" in msg and f"'{field}'[0]" in msg and "TalwalkarLab/leaf" in msg
+
+
+def test_shakespeare_tff_snippets_that_are_not_strings_are_refused(tmp_path):
+    root = tmp_path / "shakespeare"
+    write_tff_shakespeare(root)
+    with h5py.File(root / "shakespeare_train.h5", "a") as f:
+        del f["examples/HAMLET_HORATIO/snippets"]
+        f.create_dataset("examples/HAMLET_HORATIO/snippets", data=np.arange(40, dtype=np.int64))
+    with pytest.raises(DataError) as e:
+        build_dataset(cfg_for(tmp_path, "shakespeare", "natural", 3), opts("shakespeare", seq_len=10, store="memory"))
+    msg = str(e.value)
+    assert str(root / "shakespeare_train.h5") in msg and "'HAMLET_HORATIO'" in msg and "'snippets'" in msg
+    assert "byte strings" in msg and "tff-datasets-public/shakespeare" in msg
+
+
+def test_fractional_labels_are_refused_not_truncated(tmp_path):
+    root = tmp_path / "femnist"
+    write_leaf_femnist(root)
+    train = root / "train" / "all_data_0_niid_0_keep_0_train_9.json"
+    # whole numbers written as floats are exact: read as they are
+    _edit_json(train, lambda d: d["user_data"]["f0000_14"].__setitem__(
+        "y", [float(v) for v in d["user_data"]["f0000_14"]["y"]]))
+    build_dataset(cfg_for(tmp_path, "femnist", "natural", 5), opts("femnist", store="memory"))
+    _edit_json(train, lambda d: d["user_data"]["f0000_14"]["y"].__setitem__(2, 1.7))
+    with pytest.raises(DataError, match=r"label 1\.7") as e:
+        build_dataset(cfg_for(tmp_path, "femnist", "natural", 5), opts("femnist", store="memory"))
+    assert str(train) in str(e.value) and "'f0000_14'" in str(e.value)
+
+    tff = tmp_path / "tff" / "femnist"
+    write_tff_femnist(tff)
+    with h5py.File(tff / "fed_emnist_train.h5", "a") as f:
+        n = len(f["examples/f0002_02/label"])
+        del f["examples/f0002_02/label"]
+        f.create_dataset("examples/f0002_02/label", data=np.full(n, 2.5, np.float32))
+    with pytest.raises(DataError, match=r"label 2\.5") as e:
+        build_dataset(cfg_for(tmp_path / "tff", "femnist", "natural", 5), opts("femnist", store="memory"))
+    assert "'f0002_02'" in str(e.value)
+
+
+def test_cifar_string_labels_are_a_data_error(tmp_path):
+    d = write_cifar10(tmp_path)
+    _, rows = cifar_rows(12, 0)
+    with open(os.path.join(d, "data_batch_2"), "wb") as f:
+        pickle.dump({b"data": rows, b"labels": ["cat"] * 12}, f, protocol=2)
+    with pytest.raises(DataError, match="label 'cat'") as e:
+        build_dataset(cfg_for(tmp_path, "cifar10"), opts("cifar10", store="memory"))
+    assert os.path.join(d, "data_batch_2") in str(e.value) and "cs.toronto.edu" in str(e.value)
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda d: d.__setitem__("user_data", list(d["user_data"].values())), "'user_data' must be a mapping"),
+    (lambda d: d["user_data"]["f0001_41"].__setitem__("x", None), "user 'f0001_41': 'x' must be a list"),
+    (lambda d: d["user_data"]["f0001_41"].__setitem__("y", 3), "user 'f0001_41': 'y' must be a list"),
+    (lambda d: d.__setitem__("users", "f0000_14"), "'users' must be a list"),
+])
+def test_leaf_structure_of_other_types_is_a_data_error(tmp_path, edit, problem):
+    root = tmp_path / "femnist"
+    write_leaf_femnist(root)
+    train = root / "train" / "all_data_0_niid_0_keep_0_train_9.json"
+    _edit_json(train, edit)
+    with pytest.raises(DataError) as e:
+        build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory"))
+    assert str(train) in str(e.value) and problem in str(e.value)
+
+
+class Py2Pickler(pickle._Pickler):
+    """Writes bytes with Python 2's str opcodes, as the published CIFAR batches hold them. (Python 3's
+    protocol 2 writes an empty bytes object as a call of ``bytes``, which the reader rightly refuses.)"""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def _save_str(self, obj):
+        n = len(obj)
+        head = pickle.SHORT_BINSTRING + bytes([n]) if n < 256 else pickle.BINSTRING + struct.pack("<i", n)
+        self.write(head + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = _save_str
+
+
+def _empty_test(kind, tmp_path):
+    """Each format with a published test file holding no test samples; returns (dataset, options, file)."""
+    if kind == "leaf_femnist":
+        root = tmp_path / "femnist"
+        write_leaf_femnist(root)
+        path = root / "test" / "all_data_0_niid_0_keep_0_test_9.json"
+        path.write_text(json.dumps({"users": [], "num_samples": [], "user_data": {}}))
+        return "femnist", {}, path
+    if kind == "tff_femnist":
+        root = tmp_path / "femnist"
+        write_tff_femnist(root)
+        with h5py.File(root / "fed_emnist_test.h5", "w") as f:
+            f.create_group("examples")
+        return "femnist", {}, root / "fed_emnist_test.h5"
+    if kind == "tff_shakespeare":  # snippets too short for one sequence
+        root = tmp_path / "shakespeare"
+        write_tff_shakespeare(root)
+        with h5py.File(root / "shakespeare_test.h5", "w") as f:
+            f.create_dataset("examples/HAMLET_HORATIO/snippets", data=np.array(["Ay."], dtype=object),
+                             dtype=h5py.string_dtype())
+        return "shakespeare", {"seq_len": 10}, root / "shakespeare_test.h5"
+    if kind == "cifar10":
+        d = write_cifar10(tmp_path)
+        with open(os.path.join(d, "test_batch"), "wb") as f:
+            Py2Pickler(f, protocol=2).dump({b"data": np.zeros((0, 3072), np.uint8), b"labels": []})
+        return "cifar10", {}, os.path.join(d, "test_batch")
+    make_mnist(tmp_path, gz_test=False)
+    raw = tmp_path / "MNIST" / "raw"
+    write_idx(str(raw / "t10k-images-idx3-ubyte"), np.zeros((0, 28, 28), np.uint8), gz=False)
+    write_idx(str(raw / "t10k-labels-idx1-ubyte"), np.zeros(0, np.uint8), gz=False)
+    return "mnist", {}, raw / "t10k-images-idx3-ubyte"
+
+
+@pytest.mark.parametrize("store", ["memory", "hdf5"])
+@pytest.mark.parametrize("kind", ["leaf_femnist", "tff_femnist", "tff_shakespeare", "cifar10", "mnist"])
+def test_an_empty_global_test_set_is_refused_naming_the_file(tmp_path, kind, store):
+    dataset, extra, path = _empty_test(kind, tmp_path)
+    partitions = ["natural", "iid"] if dataset in ("femnist", "shakespeare") else ["iid"]
+    for partition in partitions:
+        with pytest.raises(DataError, match="global test set .* is empty") as e:
+            build_dataset(cfg_for(tmp_path, dataset, partition, 2),
+                          opts(dataset, store=store, store_dir=str(tmp_path / "stores"), **extra))
+        assert str(path) in str(e.value)

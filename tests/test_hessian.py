@@ -205,3 +205,70 @@ def test_command_on_two_ranks_equals_one(run_dir, tmp_path):
 def test_command_errors_name_the_fix(tmp_path, run_dir):
     assert main([str(tmp_path), "--threads", "1"]) == 2  # no config.yaml
     assert main([run_dir, "--threads", "1", "--round", "1", "--skip-global", "--batches", "1"]) == 2  # nothing saved at round 1
+
+
+# ----------------------------------------------------------------------------- bad input: each a reviewer's case
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+
+
+QUICK = ["--threads", "1", "--batches", "1", "--iters", "3", "--trace-iters", "2", "--diag-samples", "2"]
+
+
+def test_truncated_model_files_are_named_before_any_hessian_work(run_dir, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import fedhpc.analysis.hessian as hessian
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    # counts Hessian-vector products: a file found broken only after the work would show some
+    hvps = []
+    monkeypatch.setattr(hessian.Objective, "hvp", lambda self, v: hvps.append(1) or torch.zeros(self.numel,
+                                                                                                 dtype=torch.float64))
+    _truncate(copy / "final_model.pt")
+    assert main([str(copy), *QUICK]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {copy / 'final_model.pt'} cannot be loaded") and "Traceback" not in err
+    shutil.copy(os.path.join(run_dir, "final_model.pt"), copy / "final_model.pt")
+
+    client = copy / "client_models" / "round_000002" / f"client_{saved_clients(run_dir, 2)[-1]:06d}.pt"
+    _truncate(client)
+    assert main([str(copy), *QUICK]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {client} cannot be loaded")
+    assert hvps == [] and not (copy / "hessian.json").exists()
+
+
+def test_a_truncated_client_model_on_one_rank_stops_both(run_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    client = copy / "client_models" / "round_000002" / f"client_{saved_clients(run_dir, 2)[1]:06d}.pt"
+    _truncate(client)  # the second client is rank 1's alone
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "fedhpc.analysis.hessian", str(copy), *QUICK,
+                        "--skip-global"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert f"error: {client} cannot be loaded" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bad_clients_and_unwritable_out_are_refused_before_the_analysis(run_dir, tmp_path, capsys, monkeypatch):
+    import fedhpc.analysis.hessian as hessian
+
+    def analyse(*a):
+        raise AssertionError("the analysis ran before the arguments were checked")
+
+    monkeypatch.setattr(hessian, "analyse", analyse)
+    for clients in ("abc", "1,x", "-1", ","):
+        assert main([run_dir, *QUICK, "--clients", clients]) == 2
+        assert capsys.readouterr().err == (f"error: --clients takes comma-separated client ids (integers >= 0, e.g. "
+                                           f"--clients 0,3,7), got {clients!r}\n")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main([run_dir, *QUICK, "--out", str(afile / "h.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: cannot write the result to {afile / 'h.json'} (")
+    assert main([run_dir, *QUICK, "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --out {tmp_path} is a folder; pass a file name")

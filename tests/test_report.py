@@ -166,3 +166,120 @@ def test_hparams_are_readable_from_the_event_files(tmp_path):
     for tag, value in (("hparams/test_accuracy", 0.91), ("hparams/bytes_up_total", 1e6)):
         (s,) = ev.Scalars(tag)
         assert s.step == 30 and s.value == pytest.approx(value)
+
+
+# ----------------------------------------------------------------------------- bad input: each a reviewer's case
+
+def _copy_runs(sweep_dir, dest, algo="fedavg"):
+    """The sweep's runs of ``algo`` copied under ``dest`` (one folder per seed); returns their paths."""
+    out = []
+    for name in sorted(os.listdir(sweep_dir / "runs")):
+        run = sweep_dir / "runs" / name
+        if yaml.safe_load((run / "config.yaml").read_text())["algo"] == algo:
+            shutil.copytree(run, dest / name)
+            out.append(dest / name)
+    return out
+
+
+def _set_last(run, key, value):
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    rec = json.loads(lines[-1])
+    rec[key] = value
+    (run / "metrics.jsonl").write_text("\n".join(lines[:-1] + [json.dumps(rec)]) + "\n")
+
+
+def test_one_run_reached_twice_is_one_seed_and_a_differing_twin_is_refused(sweep_dir, tmp_path, capsys):
+    first = str(sweep_dir / "runs" / sorted(os.listdir(sweep_dir / "runs"))[0])
+    out = tmp_path / "rep"
+    # the same folder three times (once with a trailing slash), and a root inside another root
+    assert report_main([first, first, first + "/", "--out", str(out)]) == 0
+    (g,) = json.loads((out / "summary.json").read_text())["groups"]
+    assert g["n"] == 1 and g["final"]["test_accuracy"]["std"] is None
+    assert report_main([str(sweep_dir), str(sweep_dir / "runs"), "--out", str(out)]) == 0
+    assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [2, 2]
+
+    # two copies of one run under one root: one seed, the copy listed as such and named on stderr
+    copies = tmp_path / "copies"
+    shutil.copytree(first, copies / "a")
+    shutil.copytree(first, copies / "b")
+    capsys.readouterr()
+    assert report_main([str(copies), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [g["n"] for g in summary["groups"]] == [1]
+    (dup,) = summary["excluded"]
+    assert dup["path"] == str(copies / "b") and str(copies / "a") in dup["status"]
+    assert str(copies / "b") in capsys.readouterr().err
+
+    # the same seed and settings but other results: neither one run nor two seeds
+    _set_last(copies / "b", "test_accuracy", 0.123)
+    assert report_main([str(copies), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(copies / "a") in err and str(copies / "b") in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("bad", [float("nan"), "high"])
+def test_a_run_without_a_usable_final_accuracy_is_named_and_the_mean_says_over_how_many(sweep_dir, tmp_path, bad):
+    runs = _copy_runs(sweep_dir, tmp_path / "runs")
+    _set_last(runs[1], "test_accuracy", bad)
+    out = tmp_path / "rep"
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    (g,) = json.loads((out / "summary.json").read_text())["groups"]
+    good = _records(runs[0])[-1]["test_accuracy"]
+    assert g["n"] == 2 and g["final"]["test_accuracy"]["n"] == 1
+    assert g["final"]["test_accuracy"]["mean"] == pytest.approx(good)
+    assert g["no_final_value"]["test_accuracy"] == [[str(runs[1]), json.dumps(bad)]]
+    md = (out / "report.md").read_text()
+    row = next(l for l in md.splitlines() if l.startswith("| 1 | fedavg | digits | 2 |"))
+    assert f"| {100 * good:.2f} (over 1 of 2 runs) |" in row
+    assert f"| #1 | test_accuracy | {runs[1]} | {json.dumps(bad)} |" in md
+
+    # no run with a usable value: the column stays, empty, instead of vanishing
+    _set_last(runs[0], "test_accuracy", bad)
+    for run in runs:
+        lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+        (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "test_accuracy": bad}) + "\n" for r in lines))
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "final acc (%)" in md and "| – (over 0 of 2 runs) |" in md
+
+
+def test_an_unreadable_config_or_manifest_skips_that_run_and_the_report_counts_it(sweep_dir, tmp_path, capsys):
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep_dir, copy)
+    broken = copy / "runs" / sorted(os.listdir(copy / "runs"))[0]
+    (broken / "config.yaml").write_text((broken / "config.yaml").read_text()[:40] + "\nalgo: [fedavg\n")
+    (copy / "sweep.json").write_text('{"points": [')
+    out = tmp_path / "rep"
+    capsys.readouterr()
+    assert report_main([str(copy), "--out", str(out)]) == 0
+    streams = capsys.readouterr()
+    assert str(broken) in streams.err and str(copy / "sweep.json") in streams.err
+    assert "2 skipped as unreadable" in streams.out
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(s["path"] for s in summary["skipped"]) == sorted([str(broken), str(copy / "sweep.json")])
+    assert sorted(g["n"] for g in summary["groups"]) == [1, 2]  # the other three runs are still averaged
+    md = (out / "report.md").read_text()
+    assert "2 skipped as unreadable" in md
+    assert f"| {broken} | skipped: {broken}/config.yaml cannot be read as YAML" in md
+
+
+def test_an_unwritable_out_is_refused_before_reading_runs(sweep_dir, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    for out, why in ((afile, "it is a file"), (afile / "sub", "Not a directory")):
+        assert report_main([str(sweep_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: cannot write the report to {out}: {why}; pass --out a folder you can write to " \
+                      f"(it is created if missing)\n"
+    assert afile.read_text() == "keep me"
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        assert report_main([str(sweep_dir), "--out", str(ro)]) == 2
+        assert "Permission denied" in capsys.readouterr().err
+    finally:
+        ro.chmod(0o700)

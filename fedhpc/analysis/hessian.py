@@ -50,13 +50,14 @@ import json
 import os
 import re
 import sys
+import tempfile
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..algorithms.base import derive_seed, task_loss
-from ..errors import ConfigError, DataError, FedHPCError
+from ..errors import CheckpointError, ConfigError, DataError, FedHPCError
 from ..io import atomic_torch_save, atomic_write_json
 
 Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -257,8 +258,21 @@ class RunAnalysis:
     def load(self, path: str) -> nn.Module:
         if not os.path.exists(path):
             raise DataError(f"missing model file {path}")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.model.load_state_dict({k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in state.items()})
+        # A file cut short (a full disk, a copy interrupted) or not a state dict at all surfaces as
+        # torch's RuntimeError / pickle errors; a state dict of another model as load_state_dict's
+        # RuntimeError. Either way the fix is the same: the file, not the command.
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise TypeError(f"it holds a {type(state).__name__}, not a state dict of tensors")
+            self.model.load_state_dict({k: (v.to(self.dtype) if v.is_floating_point() else v)
+                                        for k, v in state.items()})
+        except Exception as e:
+            problem = " ".join(str(e).split()).split(". ")[0][:300]  # torch's first sentence says it
+            raise CheckpointError(
+                f"{path} cannot be loaded as a model of this run ({type(e).__name__}: {problem}); it is truncated or "
+                f"corrupt, or belongs to another run: copy it again from where the run wrote it, or rerun the "
+                f"run (--save-client-models for client models)") from None
         return self.model
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor):
@@ -310,6 +324,23 @@ def analyse(args, world) -> Dict[str, object]:
         world.all_reduce_sum_(t)
         return t.cpu()
 
+    plan = None if args.skip_matching else _matching_plan(run, args)
+    # Every model file is read once before any Hessian work: a truncated file found after an
+    # hour of power iterations would waste the hour. Client models are checked by the rank that
+    # will use them, and a failure reaches every rank (a rank failing alone would leave the
+    # others in the next collective).
+    mine = [] if args.skip_global else [args.model or os.path.join(args.run_dir, "final_model.pt")]
+    if plan is not None:
+        mine += [path for i, (_, path) in enumerate(plan[1]) if i % world.size == world.rank]
+    failure = None
+    try:
+        for path in dict.fromkeys(mine):
+            run.load(path)
+    except FedHPCError as e:
+        failure = e
+    if any(world.all_gather_object(failure is not None)):
+        world.raise_together(failure, "reading the model files")
+
     central = run.central_sample(args.batches, args.batch_size, args.seed)
     n_central = sum(int(y.shape[0]) for _, y in central)
     if not args.skip_global:
@@ -323,15 +354,20 @@ def analyse(args, world) -> Dict[str, object]:
                             "trace": trace, "trace_samples": samples}
 
     if not args.skip_matching:
-        result["matching"] = _matching(run, args, central, n_central, world)
+        result["matching"] = _matching(run, args, plan, central, n_central, world)
     return result
 
 
-def _matching(run: RunAnalysis, args, central, n_central: int, world) -> Dict[str, object]:
+def _matching_plan(run: RunAnalysis, args) -> Tuple[Optional[int], List[Tuple[int, str]]]:
+    """(round, [(client id, model file)]) of the H_N / H_D measurement, checked before any work."""
     rounds = saved_rounds(args.run_dir)
     round_ = args.round or (rounds[-1] if rounds else None)
-    if args.clients:
-        cids = sorted({int(c) for c in args.clients.split(",")})
+    if args.client_ids:
+        cids = args.client_ids
+        wrong = [c for c in cids if c >= run.data.num_clients]
+        if wrong:
+            raise ConfigError(f"--clients {args.clients}: the run has clients 0..{run.data.num_clients - 1}, "
+                              f"not {wrong}")
     elif round_ is not None:
         cids = saved_clients(args.run_dir, round_)
     else:
@@ -347,14 +383,23 @@ def _matching(run: RunAnalysis, args, central, n_central: int, world) -> Dict[st
         if missing:
             raise DataError(f"no saved model of client(s) {missing} at round {round_} in "
                             f"{client_models_dir(args.run_dir, round_)}")
+        paths = [os.path.join(client_models_dir(args.run_dir, round_), f"client_{c:06d}.pt") for c in cids]
+    else:
+        paths = [args.model or os.path.join(args.run_dir, "final_model.pt")] * len(cids)
+    if args.pairs == "distinct" and len(cids) < 2:  # hessian_matching would say so after the diagonals
+        raise DataError(f"H_N and H_D over distinct pairs need at least two clients, got {cids}; save more "
+                        f"client models, pass more --clients, or pass --pairs all")
+    return round_, list(zip(cids, paths))
+
+
+def _matching(run: RunAnalysis, args, plan, central, n_central: int, world) -> Dict[str, object]:
+    round_, models = plan
+    cids = [c for c, _ in models]
     diags: Dict[int, torch.Tensor] = {}
-    for i, cid in enumerate(cids):
+    for i, (cid, path) in enumerate(models):
         if i % world.size != world.rank:
             continue
-        if args.matching_model == "client":
-            run.load(os.path.join(client_models_dir(args.run_dir, round_), f"client_{cid:06d}.pt"))
-        else:
-            run.load(args.model or os.path.join(args.run_dir, "final_model.pt"))
+        run.load(path)
         if args.matching_data == "central":
             obj = Objective(run.model, central, n_central)
         else:
@@ -414,6 +459,32 @@ def _validate(args) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.tol < 0 or args.trace_tol < 0 or args.max_client_samples < 0 or args.round < 0:
         raise ConfigError("--tol, --trace-tol, --max-client-samples and --round must be >= 0")
+    try:
+        ids = [int(c) for c in args.clients.split(",") if c.strip()] if args.clients.strip() else []
+    except ValueError:
+        ids = None
+    if ids is None or any(c < 0 for c in ids) or (args.clients.strip() and not ids):
+        raise ConfigError(f"--clients takes comma-separated client ids (integers >= 0, e.g. --clients 0,3,7), "
+                          f"got {args.clients!r}")
+    args.client_ids = sorted(set(ids))
+
+
+def _check_out(path: str) -> Optional[str]:
+    """Why the result cannot be written to ``path`` (None: it can). Checked before the analysis, which
+    can take hours, so that an unwritable --out does not throw its result away; a probe file is
+    written and removed, as permissions alone do not tell (root on a read-only mount)."""
+    if os.path.isdir(path):
+        return f"--out {path} is a folder; pass a file name, e.g. {os.path.join(path, 'hessian.json')}"
+    try:
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return (f"cannot write the result to {path} ({e.strerror or e}); pass --out a file in a folder you "
+                f"can write to")
+    return None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -424,9 +495,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         _validate(args)
         world = World(args.device, args.threads)
+        out = args.out or os.path.join(args.run_dir, "hessian.json")
+        # rank 0 alone writes, so it alone checks; every rank learns the answer and stops with it
+        problem = world.all_gather_object(_check_out(out) if world.rank == 0 else None)[0]
+        if problem:
+            raise ConfigError(problem)
         result = analyse(args, world)
         if world.rank == 0:
-            out = args.out or os.path.join(args.run_dir, "hessian.json")
             atomic_write_json(out, result)
             print(json.dumps({k: v for k, v in result.items() if k in ("global", "matching")}, indent=1,
                              default=str)[:4000], flush=True)

@@ -94,6 +94,33 @@ def malformed(path: str, problem: str, layout: str, published: Published) -> Dat
     )
 
 
+def _first_non_integer(values: np.ndarray):
+    """The first value that is not a whole number (bools, strings, None, 1.7, NaN), else None."""
+    for v in values.ravel().tolist():
+        if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+            return v
+    return None
+
+
+def integer_labels(labels, where: str, published: Published) -> np.ndarray:
+    """Class labels as int64, refusing what the cast would silently change or choke on.
+
+    ``astype(int64)`` truncates 1.7 to 1 and raises a bare ValueError on strings; a label that is
+    not a whole number means the file is corrupt or from another dataset, so it is named instead.
+    Whole numbers stored as floats (1.0) are exact and accepted.
+    """
+    arr = np.asarray(labels)
+    if arr.dtype.kind in "iu":
+        return arr.astype(np.int64)
+    bad = _first_non_integer(arr)
+    if bad is None:
+        return arr.astype(np.int64)
+    raise DataError(
+        f"{where} has a label {bad!r} ({type(bad).__name__}); labels are whole-number class ids, so the file "
+        f"is corrupt or from another dataset: replace it with an intact copy ({published.where()})"
+    )
+
+
 # --------------------------------------------------------------------------- IDX
 
 # IDX type codes (third byte of the magic number) -> big-endian numpy dtypes.
@@ -185,7 +212,7 @@ def read_idx_images_labels(
             f"{img_path} holds {len(x)} images but {lab_path} holds {len(y)} labels; the two files "
             f"belong to different downloads, fetch both again ({published.where()})"
         )
-    return x, y.astype(np.int64)
+    return x, integer_labels(y, lab_path, published)  # IDX may store float labels (type 0x0D/0x0E)
 
 
 # --------------------------------------------------------------------------- CIFAR pickles
@@ -253,13 +280,16 @@ def read_cifar_batch(path: str, label_key: str, published: Published) -> Tuple[n
         if key not in batch:
             raise malformed(path, f"has no {key!r} entry (keys: {sorted(batch)})", layout, published)
     data = np.asarray(batch["data"])
-    labels = np.asarray(batch[label_key])
+    try:
+        labels = np.asarray(batch[label_key])
+    except ValueError as e:  # ragged nested lists
+        raise malformed(path, f"{label_key!r} is not a list of class ids ({e})", layout, published)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise malformed(path, f"'data' must be uint8 of shape (N, 3072), got {data.dtype} {data.shape}",
                         layout, published)
     if labels.ndim != 1 or len(labels) != len(data):
         raise malformed(path, f"{len(data)} images but {labels.shape} labels", layout, published)
-    return data.reshape(-1, 3, 32, 32).copy(), labels.astype(np.int64)
+    return data.reshape(-1, 3, 32, 32).copy(), integer_labels(labels, f"{path} ({label_key!r})", published)
 
 
 def read_cifar10(root: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -388,9 +418,22 @@ class TFFClientFile:
         self.close()
 
 
-def decode_strings(values: np.ndarray) -> List[str]:
-    """h5py variable-length strings come back as bytes (or str); return str."""
-    return [v.decode("utf-8", errors="replace") if isinstance(v, (bytes, np.bytes_)) else str(v) for v in values]
+def decode_strings(values: np.ndarray, where: str = "", published: Optional[Published] = None) -> List[str]:
+    """h5py variable-length strings come back as bytes (or str); return str.
+
+    Anything else (numbers, say) is refused with a DataError naming ``where``: ``str(v)`` would
+    turn it into text that reads like data."""
+    out = []
+    for v in np.asarray(values, dtype=object).ravel():
+        if isinstance(v, (bytes, np.bytes_)):
+            out.append(v.decode("utf-8", errors="replace"))
+        elif isinstance(v, str):
+            out.append(v)
+        else:
+            source = f" ({published.where()})" if published is not None else ""
+            raise DataError(f"{where or 'the dataset'} holds {type(v).__name__} values ({v!r}) where byte strings "
+                            f"are expected; the file is not in the published layout{source}")
+    return out
 
 
 # --------------------------------------------------------------------------- LEAF JSON
@@ -409,10 +452,14 @@ def leaf_json_files(root: str, split: str, published: Published) -> List[str]:
     return files
 
 
-def iter_leaf_users(root: str, split: str, published: Published) -> Iterator[Tuple[str, list, list]]:
-    """Yield ``(user, x, y)`` for every user of every json file of a LEAF split.
+def iter_leaf_users(root: str, split: str, published: Published,
+                    with_path: bool = False) -> Iterator[Tuple[str, list, list]]:
+    """Yield ``(user, x, y)`` for every user of every json file of a LEAF split
+    (``(user, x, y, path)`` with ``with_path``, so that callers checking the values can name the file).
 
-    Files are parsed one at a time, so peak memory is one file's worth of Python lists.
+    Files are parsed one at a time, so peak memory is one file's worth of Python lists. The
+    structure is checked here (users a list, user_data a mapping, x and y lists of one length);
+    what the values must be is the dataset's business.
     """
     layout = "LEAF JSON"
     for path in leaf_json_files(root, split, published):
@@ -424,18 +471,27 @@ def iter_leaf_users(root: str, split: str, published: Published) -> Iterator[Tup
         if not isinstance(doc, dict) or "users" not in doc or "user_data" not in doc:
             keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
             raise malformed(path, f"needs keys 'users' and 'user_data', has {keys}", layout, published)
-        counts = doc.get("num_samples")
-        for i, user in enumerate(doc["users"]):
-            data = doc["user_data"].get(user)
+        users, user_data, counts = doc["users"], doc["user_data"], doc.get("num_samples")
+        for key, value, want in (("users", users, list), ("user_data", user_data, dict),
+                                 ("num_samples", counts, (list, type(None)))):
+            if not isinstance(value, want):
+                kind = "a mapping {user: {x, y}}" if want is dict else "a list"
+                raise malformed(path, f"'{key}' must be {kind}, got {type(value).__name__}", layout, published)
+        for i, user in enumerate(users):
+            data = user_data.get(user) if isinstance(user, str) else None
             if not isinstance(data, dict) or "x" not in data or "y" not in data:
                 raise malformed(path, f"user {user!r} has no user_data entry with 'x' and 'y'", layout, published)
             x, y = data["x"], data["y"]
+            for field, value in (("x", x), ("y", y)):
+                if not isinstance(value, list):
+                    raise malformed(path, f"user {user!r}: '{field}' must be a list of samples, got "
+                                    f"{type(value).__name__}", layout, published)
             if len(x) != len(y):
                 raise malformed(path, f"user {user!r} has {len(x)} inputs but {len(y)} targets", layout, published)
             if counts is not None and i < len(counts) and counts[i] != len(y):
                 raise malformed(path, f"num_samples says user {user!r} has {counts[i]} samples, user_data "
                                 f"holds {len(y)}", layout, published)
-            yield str(user), x, y
+            yield (str(user), x, y, path) if with_path else (str(user), x, y)
 
 
 # --------------------------------------------------------------------------- image folders

@@ -4,18 +4,35 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+import tempfile
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
 from ..io import atomic_write_json, atomic_write_text
 from .plots import plot_groups
 from .render import Document, fmt_stat, fmt_value, unit_of
-from .runs import Group, find_runs, group_runs, varying_settings
-from .summary import best_stats, final_stats, metric_names, reference_comparison, time_to_target
+from .runs import Group, Run, find_runs, group_runs, varying_settings
+from .summary import (best_stats, final_stats, metric_names, no_final_value, reference_comparison,
+                      time_to_target)
 
 
 def _label(group: Group, keys: List[str]) -> str:
     return ", ".join(f"{k}={group.settings[k]}" for k in keys if k in group.settings) or "all runs"
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """Make sure the report can be written to ``out_dir`` before reading any run: create it and
+    write (then remove) a probe file, which catches a file in the way, a read-only folder or file
+    system and a missing permission alike (os.access says yes to root on a read-only mount)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        why = "it is a file" if os.path.isfile(out_dir) else (e.strerror or str(e))
+        raise ConfigError(f"cannot write the report to {out_dir}: {why}; pass --out a folder you can write "
+                          f"to (it is created if missing)")
 
 
 def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
@@ -25,17 +42,20 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
         if not os.path.isdir(root):
             raise ConfigError(f"{root} is not a folder; pass folders holding runs (each with config.yaml "
                               f"and metrics.jsonl), e.g. a sweep's folder")
-    runs, not_started = find_runs(roots)
+    _check_out_dir(out_dir)
+    skipped: List[Dict[str, Any]] = []
+    runs, not_started = find_runs(roots, skipped)
     if not runs and not not_started:
-        raise ConfigError(f"no runs under {', '.join(roots)}: a run folder holds config.yaml and metrics.jsonl "
+        extra = f" ({len(skipped)} skipped as unreadable, named above)" if skipped else ""
+        raise ConfigError(f"no runs under {', '.join(roots)}{extra}: a run folder holds config.yaml and metrics.jsonl "
                           f"(python -m fedhpc.launch --out DIR writes them)")
-    groups = group_runs(runs)
+    duplicates: List[Tuple[Run, Run]] = []
+    groups = group_runs(runs, duplicates)
     varying = varying_settings(groups)
     # The table always names the algorithm and dataset; plot legends only what tells rows apart.
     keys = ["algo", "dataset"] + [k for k in varying if k not in ("algo", "dataset")]
     labels = [_label(g, varying or ["algo"]) for g in groups]
     names = metric_names(groups)
-    os.makedirs(out_dir, exist_ok=True)
 
     summaries = []
     for i, (g, label) in enumerate(zip(groups, labels), 1):
@@ -47,6 +67,7 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
             "best": {m: s.as_dict() for m, s in bests.items()},
             "target": None, "reference": g.reference or None,
             "comparison": reference_comparison(g, finals, bests),
+            "no_final_value": no_final_value(g, names),
             "_finals": finals, "_bests": bests,
         })
         if target is not None:
@@ -55,8 +76,11 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
     doc = Document(title or f"fedhpc report: {', '.join(roots)}")
     n_fin = sum(len(g.runs) for g in groups)
     excluded = [r for r in runs if r.state.status != "finished" or r.config is None]
+    repeated = [{"path": r.path, "status": f"duplicate of {kept.path} (same settings, seed and metrics)"}
+                for r, kept in duplicates]
     doc.para(f"{len(runs)} run(s) found, {n_fin} finished in {len(groups)} group(s) (runs that differ only "
-             f"in their seed); {len(excluded) + len(not_started)} not averaged in (listed at the end). "
+             f"in their seed); {len(excluded) + len(not_started) + len(repeated)} not averaged in, "
+             f"{len(skipped)} skipped as unreadable (listed at the end). "
              f"Mean ± sample standard deviation over seeds; accuracies in %, bytes in MiB.")
     if groups:
         doc.heading("Results")
@@ -72,29 +96,48 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
             doc.para("Settings shared by every row: " + ", ".join(f"{k}={v}" for k, v in shared.items()))
         doc.heading("All metrics at the final round")
         doc.table([["metric"] + [f"#{s['row']}" for s in summaries]] +
-                  [[m + unit_of(m)] + [fmt_stat(s["_finals"].get(m), m) for s in summaries] for m in names])
+                  [[m + unit_of(m)] + [_over(s["_finals"].get(m), m, s) for s in summaries] for m in names])
         plots = plot_groups(groups, labels, out_dir)
         if plots:
             doc.heading("Plots")
             for name, path in plots.items():
                 doc.image(path, name.replace("_", " "))
-    if excluded or not_started:
+    unusable = [[f"#{s['row']}", m, path, value] for s in summaries for m, missing in s["no_final_value"].items()
+                for path, value in missing]
+    if unusable:
+        doc.heading("Runs without a usable final value")
+        doc.para("Each row's mean of that metric is over its other runs (the cell says over how many).")
+        doc.table([["row", "metric", "run", "last record holds"]] + unusable)
+    if excluded or not_started or repeated or skipped:
         doc.heading("Not averaged in")
         doc.table([["run", "status"]] + [[r.path, r.state.describe()] for r in excluded] +
-                  [[p["path"], p["status"]] for p in not_started])
+                  [[p["path"], p["status"]] for p in not_started + repeated] +
+                  [[p["path"], f"skipped: {p['problem']}"] for p in skipped])
 
     atomic_write_text(os.path.join(out_dir, "report.md"), doc.markdown())
     atomic_write_text(os.path.join(out_dir, "report.html"), doc.html())
     summary = {
         "roots": roots, "groups": [{k: v for k, v in s.items() if not k.startswith("_")} for s in summaries],
         "excluded": [{"path": r.path, "status": r.state.status, "last_round": r.state.last_round,
-                      "rounds": r.state.rounds, "exit_code": r.state.exit_code} for r in excluded] + not_started,
+                      "rounds": r.state.rounds, "exit_code": r.state.exit_code} for r in excluded]
+                    + not_started + repeated,
+        "skipped": skipped,
     }
     for s in summary["groups"]:
         if s["target"]:
             s["target"] = {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in s["target"].items()}
     atomic_write_json(os.path.join(out_dir, "summary.json"), summary)
     return summary
+
+
+def _over(stat, metric: str, summary: Dict[str, Any]) -> str:
+    """A table cell; says over how many runs when some of the row's runs had no usable value of
+    the metric (the seeds column counts them all, and the mean must not pass for one over every seed)."""
+    cell = fmt_stat(stat, metric)
+    have = stat.n if stat is not None else 0
+    if metric not in summary["no_final_value"] or have == summary["n"]:
+        return cell
+    return f"{cell} (over {have} of {summary['n']} runs)"
 
 
 def _main_table(summaries, keys: List[str], names: List[str], target: Optional[float]):
@@ -117,7 +160,7 @@ def _main_table(summaries, keys: List[str], names: List[str], target: Optional[f
         f, b = s["_finals"], s["_bests"]
         row = [f"{s['row']}"] + [str(s["settings"].get(k, "-")) for k in keys] + [str(s["n"])]
         for m in accs:
-            row += [fmt_stat(f.get(m), m), fmt_stat(b.get(m), m)]
+            row += [_over(f.get(m), m, s), _over(b.get(m), m, s)]
         up, down = f.get("bytes_up_total"), f.get("bytes_down_total")
         row.append(fmt_value(up.mean + down.mean, "bytes") if up and down else "–")
         if sim:

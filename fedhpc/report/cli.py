@@ -34,6 +34,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except FedHPCError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    print(f"report of {len(summary['groups'])} group(s), {len(summary['excluded'])} run(s) not averaged in: "
+    skipped = f", {len(summary['skipped'])} skipped as unreadable" if summary["skipped"] else ""
+    print(f"report of {len(summary['groups'])} group(s), {len(summary['excluded'])} run(s) not averaged in{skipped}: "
           f"{os.path.join(out, 'report.md')} (and report.html, summary.json, plots)")
     return 0

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..io import atomic_write_bytes
 from .runs import Group
+from .summary import _numeric
 
 XAxis = Callable[[List[dict]], List[float]]
 
@@ -46,7 +47,7 @@ def curve(group: Group, metric: str, x: XAxis) -> Optional[Tuple[np.ndarray, np.
     """(x mean, metric mean, metric std) over the group's runs at the rounds all of them evaluated."""
     per_run = []
     for r in group.runs:
-        recs = [rec for rec in r.records if isinstance(rec.get(metric), (int, float))]
+        recs = [rec for rec in r.records if _numeric(rec.get(metric))]  # a NaN would blank the mean
         per_run.append({int(rec["round"]): (xv, float(rec[metric])) for rec, xv in zip(recs, x(recs))})
     common = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
     if not common:

@@ -6,16 +6,19 @@ fall in the same group when their flattened configurations agree on every settin
 RUN_LOCAL: the seed, and the settings that say how or where a run executed, not what it
 computed. Unknown settings (added by a later fedhpc) do separate groups: a report that keeps
 two settings apart that could have been merged is safer than one that averages different
-experiments.
+experiments. A folder is read once however often the roots reach it, and two runs of a group with
+one seed are one run counted once (same metrics) or refused (different metrics), never two seeds.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..errors import ConfigError, FedHPCError
 from ..sweep.state import RunState, read_config, read_metrics, run_state
 
 RUN_LOCAL = ("seed", "out", "resume", "threads", "device", "quiet", "tensorboard", "checkpoint_every",
@@ -70,39 +73,107 @@ def _is_run(path: str) -> bool:
     return os.path.exists(os.path.join(path, "config.yaml")) or os.path.exists(os.path.join(path, "status.json"))
 
 
-def find_runs(roots: List[str]) -> Tuple[List[Run], List[Dict[str, Any]]]:
-    """Every run under ``roots`` (sorted by path), and the points of sweep manifests with no run yet."""
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def find_runs(roots: List[str], skipped: Optional[List[Dict[str, Any]]] = None
+              ) -> Tuple[List[Run], List[Dict[str, Any]]]:
+    """Every run under ``roots`` (sorted by path), and the points of sweep manifests with no run yet.
+
+    A folder reached twice (a root given twice, a root inside another, a symlink) is one run.
+    A run whose config.yaml, or a sweep.json, cannot be parsed is skipped with a warning and,
+    when ``skipped`` is given, appended to it ({"path", "status", "problem"}): one torn file
+    must not stop a report over many runs, but the report has to say what it left out.
+    """
     runs: List[Run] = []
     not_started: List[Dict[str, Any]] = []
+    seen = set()
+
+    def skip(path: str, status: str, problem: str) -> None:
+        _warn(f"{path} skipped: {problem}")
+        if skipped is not None:
+            skipped.append({"path": path, "status": status, "problem": problem})
+
     for root in roots:
         for dirpath, dirnames, _ in os.walk(root):
             dirnames.sort()
+            real = os.path.realpath(dirpath)
+            if real in seen:  # already walked from another root: its runs are in the list
+                dirnames[:] = []
+                continue
+            seen.add(real)
             if _is_run(dirpath):
                 dirnames[:] = []  # checkpoints/ and tensorboard/ belong to this run
-                config = read_config(dirpath)
+                try:
+                    config = read_config(dirpath)
+                except FedHPCError as e:
+                    skip(dirpath, "unreadable config.yaml", str(e))
+                    continue
                 records = read_metrics(dirpath)
-                runs.append(Run(dirpath, config, records, run_state(dirpath, records=records)))
+                rounds = config.get("rounds") if config else None
+                runs.append(Run(dirpath, config, records, run_state(dirpath, rounds, records=records)))
             manifest = os.path.join(dirpath, "sweep.json")
             if os.path.exists(manifest):
-                with open(manifest) as f:
-                    sweep = json.load(f)
-                for p in sweep.get("points", []):
-                    run_dir = os.path.join(dirpath, "runs", p["id"])
-                    if not _is_run(run_dir):
-                        not_started.append({"path": run_dir, "status": "not started", "id": p["id"]})
+                try:
+                    with open(manifest) as f:
+                        sweep = json.load(f)
+                    ids = [str(p["id"]) for p in sweep.get("points", [])]
+                except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+                    # The sweep's runs are still found (they are folders with config.yaml); only
+                    # the points that never started cannot be listed.
+                    skip(manifest, "unreadable sweep.json",
+                         f"cannot be read as a sweep manifest ({type(e).__name__}: {e}), so the report cannot "
+                         f"list that sweep's points that have not started; submit the sweep's grid again "
+                         f"(python -m fedhpc.sweep GRID rewrites it when points remain)")
+                    continue
+                for pid in ids:
+                    run_dir = os.path.join(dirpath, "runs", pid)
+                    if not _is_run(run_dir) and os.path.realpath(run_dir) not in seen:
+                        seen.add(os.path.realpath(run_dir))
+                        not_started.append({"path": run_dir, "status": "not started", "id": pid})
     runs.sort(key=lambda r: r.path)
     return runs, not_started
 
 
-def group_runs(runs: List[Run]) -> List[Group]:
-    """Finished runs grouped by their settings minus RUN_LOCAL, in order of first appearance."""
+# Wall-clock measurements: they differ between two executions of one computation.
+def _is_timing(key: str) -> bool:
+    return "seconds" in key
+
+
+def _results(run: Run) -> List[Dict[str, Any]]:
+    return [{k: v for k, v in rec.items() if not _is_timing(k)} for rec in run.records]
+
+
+def group_runs(runs: List[Run], duplicates: Optional[List[Tuple[Run, Run]]] = None) -> List[Group]:
+    """Finished runs grouped by their settings minus RUN_LOCAL, in order of first appearance.
+
+    Two finished runs of one group with the same seed are not two seeds. With the same results
+    (timings aside) they are one computation twice (a copied folder, a re-run): the first is
+    kept and ``(dropped, kept)`` appended to ``duplicates``. With different results there is no
+    telling which one is right, so ConfigError names both folders.
+    """
     groups: Dict[str, Group] = {}
     for r in runs:
         if r.state.status != "finished" or r.config is None:
             continue
         s = r.settings()
         key = json.dumps(s, sort_keys=True, default=str)
-        groups.setdefault(key, Group(s)).runs.append(r)
+        group = groups.setdefault(key, Group(s))
+        twin = next((o for o in group.runs if json.dumps(o.seed, default=str) == json.dumps(r.seed, default=str)),
+                    None)
+        if twin is None:
+            group.runs.append(r)
+            continue
+        if json.dumps(_results(twin), sort_keys=True, default=str) != json.dumps(_results(r), sort_keys=True,
+                                                                                  default=str):
+            raise ConfigError(
+                f"{twin.path} and {r.path} have the same settings and seed ({r.seed}) but different metrics, "
+                f"so they are neither two seeds nor one run counted twice; move the wrong one out of the "
+                f"folders passed to the report (or change its seed)")
+        _warn(f"{r.path} repeats {twin.path} (same settings, seed {r.seed} and metrics): counted once")
+        if duplicates is not None:
+            duplicates.append((r, twin))
     return list(groups.values())
 
 

@@ -14,9 +14,10 @@ only decides which come first.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -63,16 +64,35 @@ def _numeric(v: Any) -> bool:
 def metric_names(groups: List[Group]) -> List[str]:
     names = {k for g in groups for r in g.runs for rec in r.records for k, v in rec.items()
              if _numeric(v) and k not in SKIPPED}
+    # A known metric stays even when no run has a usable value of it, so its column reads "–"
+    # (and the runs are named) instead of disappearing from the table.
+    names |= {k for g in groups for r in g.runs for rec in r.records for k in rec if k in KNOWN_METRICS}
     return [m for m in KNOWN_METRICS if m in names] + sorted(names - set(KNOWN_METRICS))
 
 
 def final_stats(group: Group, names: List[str]) -> Dict[str, Stat]:
-    """Each metric at every run's last record (runs lacking the metric there are left out of it)."""
+    """Each metric at every run's last record (runs lacking the metric there are left out of it;
+    :func:`no_final_value` names them)."""
     out = {}
     for m in names:
         vals = [float(r.records[-1][m]) for r in group.runs if _numeric(r.records[-1].get(m))]
         if vals:
             out[m] = Stat(vals)
+    return out
+
+
+def no_final_value(group: Group, names: List[str]) -> Dict[str, List[Tuple[str, str]]]:
+    """Per metric, the runs of ``group`` left out of its final mean: [(run path, what the last record
+    holds)]. Those whose last record holds something other than a finite number (NaN, "high"), and
+    those lacking it there while another run of the group has a value (a metric no run logs at the
+    last round is no run's fault and is not listed). The table says over how many runs the mean is."""
+    out: Dict[str, List[Tuple[str, str]]] = {}
+    for m in names:
+        others_have = any(_numeric(r.records[-1].get(m)) for r in group.runs)
+        bad = [(r.path, json.dumps(r.records[-1][m], default=str) if m in r.records[-1] else "no value")
+               for r in group.runs if not _numeric(r.records[-1].get(m)) and (m in r.records[-1] or others_have)]
+        if bad:
+            out[m] = bad
     return out
 
 

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
+from ..errors import CheckpointError
 from ..io import atomic_write_json
 
 STATUS_FILE = "status.json"
@@ -62,11 +63,18 @@ def read_metrics(run_dir: str) -> List[Dict[str, Any]]:
 
 
 def read_config(run_dir: str) -> Optional[Dict[str, Any]]:
+    """config.yaml as a mapping; None when there is none. A torn or hand-broken file raises
+    CheckpointError naming it (callers over many runs, the report, skip that run and say so)."""
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        problem = " ".join(str(e).split())  # yaml's messages span lines
+        raise CheckpointError(f"{path} cannot be read as YAML ({problem}); the engine writes it at the start "
+                              f"of a run: restore it from the run's launch config, or delete the run folder")
     return data if isinstance(data, dict) else None
 
 

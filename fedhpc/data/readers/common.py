@@ -282,7 +282,23 @@ class Reader:
     def close(self) -> None:
         pass
 
+    def test_files(self) -> List[str]:
+        """The files the global test set is read from (named when it is empty)."""
+        return self.source_files()
+
+    #: why a test file with samples can still give an empty test set (said in that error)
+    empty_test_hint = ""
+
     # shared
+    def require_test(self, n: int) -> None:
+        """Refuse an empty global test set: evaluation would report accuracy 0 over no samples."""
+        if n == 0:
+            raise DataError(
+                f"the global test set of {self.name} is empty: {', '.join(self.test_files())} hold(s) no test "
+                f"samples{self.empty_test_hint}, and every test accuracy of the run would read 0; replace the "
+                f"test file(s) with the published ones, which hold the dataset's test split"
+            )
+
     def content_options(self) -> Dict[str, Any]:
         return {f.name: getattr(self.opts, f.name) for f in fields(self.opts)
                 if f.name not in _RUNTIME_ONLY_OPTIONS}
@@ -293,11 +309,13 @@ class Reader:
     def memory_data(self, spec: str) -> Tuple[Any, ...]:
         """(x_pool, y_pool, x_test, y_test, partition) as numpy arrays for ArrayFederatedData."""
         pool = self.load_pool(lazy=False)
+        self.require_test(len(pool.y_test))
         return pool.x, pool.y, pool.x_test, pool.y_test, self.partition(spec, pool.part_labels)
 
     def store_sources(self, spec: str):
         """(client source, global test source) for :func:`write_store`."""
         pool = self.load_pool(lazy=True)
+        self.require_test(len(pool.y_test))
         parts = self.partition(spec, pool.part_labels)
         return ArrayClients(pool.x, pool.y, parts), ArrayClients.blocks(pool.x_test, pool.y_test)
 
@@ -339,8 +357,13 @@ class NaturalReader(Reader):
         rng = np.random.default_rng([int(self.cfg.seed), 0x57A7E])
         return np.sort(rng.choice(eligible, size=n, replace=False))
 
-    def _test_arrays(self):
+    def checked_test_source(self):
         src = self.test_source()
+        self.require_test(int(np.sum(src.counts)))
+        return src
+
+    def _test_arrays(self):
+        src = self.checked_test_source()
         parts = [src.load(k) for k in range(len(src.counts))]
         x = np.concatenate([p[0] for p in parts]) if parts else np.empty((0,) + self.x_tail, self.x_dtype)
         y = np.concatenate([p[1] for p in parts]) if parts else np.empty((0,) + self.y_tail, self.y_dtype)
@@ -372,7 +395,7 @@ class NaturalReader(Reader):
         counts = self.writer_counts()[chosen]
         clients = StreamedClients(counts, lambda k: self.load_writer(int(chosen[k])),
                                   self.x_tail, self.x_dtype, self.y_tail, self.y_dtype)
-        return clients, self.test_source()
+        return clients, self.checked_test_source()
 
 
 # --------------------------------------------------------------------------- assembly

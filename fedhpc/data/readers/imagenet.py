@@ -62,6 +62,9 @@ class Imagenet200Reader(Reader):
     def source_files(self) -> List[str]:
         return [self.path]
 
+    def test_files(self) -> List[str]:
+        return [f"{self.path} (val/)"]
+
     def estimate_bytes(self) -> int:
         ds = self._file()["train/x"]
         return int(np.prod(ds.shape)) * ds.dtype.itemsize

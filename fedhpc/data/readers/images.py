@@ -38,6 +38,9 @@ class IdxReader(Reader):
     def source_files(self) -> List[str]:
         return [find_idx(self.root(), stem, f"{self.published.title} {stem}", self.published) for stem in self.files]
 
+    def test_files(self) -> List[str]:
+        return self.source_files()[2:]
+
     def estimate_bytes(self) -> int:
         dims, dtype = read_idx_header(self.source_files()[0], self.published)
         return int(np.prod(dims)) * dtype.itemsize
@@ -125,6 +128,9 @@ class CifarReader(Reader):
                 raise missing(f"{self.published.title} batch", p, "python version: " + ", ".join(self.files),
                               self.published, "extract the python version archive into --data-dir")
         return paths
+
+    def test_files(self) -> List[str]:
+        return self.source_files()[-1:]
 
     def estimate_bytes(self) -> int:
         return sum(os.path.getsize(p) for p in self.source_files()[:-1])

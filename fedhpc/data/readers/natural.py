@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -12,7 +13,7 @@ from .. import register_dataset
 from ..augment import token_ids
 from ..formats import (
     LEAF_FEMNIST, LEAF_SHAKESPEARE, Published, TFFClientFile, TFF_CIFAR100, TFF_EMNIST, TFF_EMNIST_DIGITS,
-    TFF_SHAKESPEARE, decode_strings, iter_leaf_users, leaf_json_files,
+    TFF_SHAKESPEARE, decode_strings, integer_labels, iter_leaf_users, leaf_json_files,
 )
 from ..store import ArrayClients, StreamedClients
 from .common import (
@@ -43,6 +44,9 @@ class TFFNaturalReader(NaturalReader):
 
     def source_files(self) -> List[str]:
         return [self.train.path, self.test.path]
+
+    def test_files(self) -> List[str]:
+        return [self.test.path]
 
     def writer_counts(self) -> np.ndarray:
         if self._counts is None:
@@ -88,7 +92,7 @@ class FemnistTFF(TFFNaturalReader):
         super().__init__(cfg, opts, root)
 
     def convert(self, a, where):
-        p, y = a["pixels"], np.asarray(a["label"]).astype(np.int64)
+        p, y = a["pixels"], integer_labels(a["label"], f"{where} ('label')", self.tff_published)
         if p.ndim != 3 or p.shape[1:] != (28, 28):
             raise _shape_error(where, "pixels of shape (n, 28, 28)", p.shape, self.tff_published)
         check_labels(y, self.num_classes, where, self.tff_published)
@@ -110,7 +114,8 @@ class Cifar100TFF(TFFNaturalReader):
         super().__init__(cfg, opts, root)
 
     def convert(self, a, where):
-        img, y = a["image"], np.asarray(a[self.tff_fields[1]]).astype(np.int64)
+        img, y = a["image"], integer_labels(a[self.tff_fields[1]], f"{where} ({self.tff_fields[1]!r})",
+                                            self.tff_published)
         if img.ndim != 4 or img.shape[1:] != (32, 32, 3) or img.dtype != np.uint8:
             raise _shape_error(where, "uint8 images of shape (n, 32, 32, 3)", f"{img.dtype} {img.shape}",
                                self.tff_published)
@@ -161,17 +166,26 @@ class FemnistLEAF(CachedNaturalReader):
     def source_files(self) -> List[str]:
         return leaf_json_files(self.root, "train", LEAF_FEMNIST) + leaf_json_files(self.root, "test", LEAF_FEMNIST)
 
+    def test_files(self) -> List[str]:
+        return leaf_json_files(self.root, "test", LEAF_FEMNIST)
+
     def _split(self, split):
         users: Dict[str, List[Tuple[np.ndarray, np.ndarray]]] = {}
-        for user, x, y in iter_leaf_users(self.root, split, LEAF_FEMNIST):
-            where = f"{self.root}/{split} user {user!r}"
+        for user, x, y, path in iter_leaf_users(self.root, split, LEAF_FEMNIST, with_path=True):
+            where = f"{path} user {user!r}"
             try:
                 px = np.asarray(x, dtype=np.float32)
-            except ValueError:
-                raise _shape_error(where, "x as lists of 784 floats", "ragged lists", LEAF_FEMNIST)
+            except (ValueError, TypeError):
+                raise _shape_error(f"{where} ('x')", "x as lists of 784 floats", "ragged lists or non-numbers",
+                                   LEAF_FEMNIST)
             if px.ndim != 2 or px.shape[1] != 784:
                 raise _shape_error(where, "x as lists of 784 floats", px.shape, LEAF_FEMNIST)
-            yy = np.asarray(y, dtype=np.int64)
+            try:
+                yy = integer_labels(y, f"{where} ('y')", LEAF_FEMNIST)  # 1.7 must not become class 1
+            except ValueError:
+                raise _shape_error(f"{where} ('y')", "a list of integer labels", "ragged lists", LEAF_FEMNIST)
+            if yy.ndim != 1:
+                raise _shape_error(f"{where} ('y')", "a list of integer labels", f"shape {yy.shape}", LEAF_FEMNIST)
             check_labels(yy, self.num_classes, where, LEAF_FEMNIST)
             users.setdefault(user, []).append((pixels_to_uint8(px, self.opts.invert).reshape(-1, 1, 28, 28), yy))
         return {u: (np.concatenate([a for a, _ in v]), np.concatenate([b for _, b in v]))
@@ -241,11 +255,18 @@ class ShakespeareReader(CachedNaturalReader):
         super().__init__(cfg, opts)
         self.root, self.source = root, source
         self.x_tail = self.y_tail = (opts.seq_len,)
+        self.empty_test_hint = (f" of seq_len + 1 = {opts.seq_len + 1} characters (a role's shorter text gives "
+                                f"none; a smaller seq_len data option cuts more)")
 
     def source_files(self) -> List[str]:
         if self.source == "tff":
             return [self._tff_path("train"), self._tff_path("test")]
         return leaf_json_files(self.root, "train", LEAF_SHAKESPEARE) + leaf_json_files(self.root, "test", LEAF_SHAKESPEARE)
+
+    def test_files(self) -> List[str]:
+        if self.source == "tff":
+            return [self._tff_path("test")]
+        return leaf_json_files(self.root, "test", LEAF_SHAKESPEARE)
 
     def _tff_path(self, split):
         return os.path.join(self.root, f"shakespeare_{split}.h5")
@@ -258,23 +279,33 @@ class ShakespeareReader(CachedNaturalReader):
         with TFFClientFile(self._tff_path(split), ("snippets",), TFF_SHAKESPEARE,
                            f"TFF Shakespeare {split} file") as f:
             for cid in f.client_ids():
-                text = "\n".join(decode_strings(f.read_client(cid)["snippets"]))
+                text = "\n".join(decode_strings(f.read_client(cid)["snippets"],
+                                                f"{f.path} client {cid!r} ('snippets')", TFF_SHAKESPEARE))
                 out[cid] = char_sequences(encode_chars(text), self.opts.seq_len)
         return out
 
     def _leaf_split(self, split) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
         L = self.opts.seq_len
         users: Dict[str, List[str]] = {}
-        for user, xs, ys in iter_leaf_users(self.root, split, LEAF_SHAKESPEARE):
+        for user, xs, ys, path in iter_leaf_users(self.root, split, LEAF_SHAKESPEARE, with_path=True):
             windows = []
-            for x, y in zip(xs, ys):
-                w = f"{x}{y}"
-                if len(w) < L + 1:
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                # LEAF's published types: x an 80-character string, y the one character after it.
+                # Anything else would be formatted into the text below and read as characters.
+                for field, value, ok in (("x", x, isinstance(x, str) and len(x) > 0),
+                                         ("y", y, isinstance(y, str) and len(y) == 1)):
+                    if not ok:
+                        want = "a one-character string" if field == "y" else "a non-empty string"
+                        raise DataError(
+                            f"{path} user {user!r}: '{field}'[{i}] is {json.dumps(value)[:60]} "
+                            f"({type(value).__name__}); LEAF Shakespeare samples have '{field}' as {want}, so the "
+                            f"file is not in the published layout ({LEAF_SHAKESPEARE.where()})")
+                if len(x) < L:
                     raise ConfigError(
-                        f"LEAF Shakespeare samples of user {user!r} hold {len(w) - 1} input characters; "
-                        f"use the data option seq_len={len(w) - 1} or smaller"
+                        f"LEAF Shakespeare samples of user {user!r} hold {len(x)} input characters; "
+                        f"use the data option seq_len={len(x)} or smaller"
                     )
-                windows.append(w[-(L + 1):])
+                windows.append(f"{x}{y}"[-(L + 1):])
             users.setdefault(user, []).extend(windows)
         out = {}
         for user, windows in sorted(users.items()):
