@@ -13,7 +13,10 @@ from .errors import ConfigError, FedHPCError, OutputError, RankFailure
 
 def _refuse_existing_run(cfg) -> None:
     if cfg.out and not cfg.resume and os.path.isdir(cfg.out):
-        held = [f for f in ("metrics.jsonl", "checkpoints", "final_model.pt") if os.path.exists(os.path.join(cfg.out, f))]
+        # An empty metrics.jsonl (a run stopped in its first round, e.g. by a NaN loss) holds
+        # nothing to lose: the same --out takes the corrected command.
+        held = [f for f in ("metrics.jsonl", "checkpoints", "final_model.pt") if os.path.exists(os.path.join(cfg.out, f))
+                and not (f == "metrics.jsonl" and os.path.getsize(os.path.join(cfg.out, f)) == 0)]
         if held:
             raise ConfigError(f"--out {cfg.out} already holds a run ({', '.join(held)}); pass --resume "
                               f"to continue it, or choose another --out")

@@ -107,6 +107,18 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     assert max_diff(weights, final_weights(out)) == 0
 
 
+def test_a_run_that_failed_in_its_first_round_can_be_rerun_in_the_same_out(tmp_path):
+    """A NaN in round 1 leaves an empty metrics.jsonl and no checkpoint: nothing to protect."""
+    out = str(tmp_path / "run")
+    p = launch(FAST + ["--out", out, "--lr", "1e30"])
+    assert p.returncode == 3 and "NaN or infinite in round 1" in p.stderr, p.stderr
+    assert os.path.getsize(os.path.join(out, "metrics.jsonl")) == 0
+    assert not os.path.exists(os.path.join(out, "checkpoints"))
+    p = launch(FAST + ["--out", out])
+    assert p.returncode == 0, p.stderr
+    assert [r["round"] for r in metrics(out)] == [1, 2, 3, 4]
+
+
 def test_resume_extends_a_finished_run(tmp_path, uninterrupted):
     out = str(tmp_path / "run")
     short = ARGS[:]
