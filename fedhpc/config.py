@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import inspect
 import json
 import math
 import os
@@ -233,7 +235,14 @@ def _parse_kv(items: List[str], what: str) -> Dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"{what} expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        try:
+            out[k.strip()] = yaml.load(v, Loader=UniqueKeyLoader)
+        except DuplicateKeyError as e:
+            raise ConfigError(f"{what} {item!r}: the value sets {e.key!r} twice; keep one")
+        except yaml.YAMLError as e:
+            problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+            raise ConfigError(f"{what} {item!r}: the value {v!r} is not valid YAML ({problem}); write a number, "
+                              f"true/false, a list such as [4, 8], or a string in quotes: {k.strip()}=\"{v}\"")
     return out
 
 
@@ -259,41 +268,145 @@ def _catalogue() -> str:
     return "\n".join(lines)
 
 
-def load_yaml(path: str) -> Dict[str, Any]:
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping that names one key twice (see :class:`UniqueKeyLoader`)."""
+
+    def __init__(self, key: Any, first_line: int, line: int):
+        super().__init__(f"key {key!r} appears twice (lines {first_line} and {line})")
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping: PyYAML silently keeps the
+    last one, so a setting edited further up a long file would be ignored without a word."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: Dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden key by key
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKeyError(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: SafeLoader's own error names it
+                    continue
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(path: str, what: str = "config file") -> Dict[str, Any]:
+    """A user's YAML file (launch config, sweep grid) as a mapping; every problem is a ConfigError."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist; pass an existing YAML file (see launch/)")
+        raise ConfigError(f"{what} {path!r} does not exist; pass an existing YAML file "
+                          f"(examples in launch/ and sweeps/)")
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start}); save it as UTF-8 (editors that write UTF-16 or Latin-1 do this)")
+    except OSError as e:
+        raise ConfigError(f"{what} {path!r} cannot be read ({e.strerror}); check its permissions")
+    try:
+        data = yaml.load(text, Loader=UniqueKeyLoader) or {}
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{what} {path!r} sets {e.key!r} twice (lines {e.first_line} and {e.line}); "
+                          f"YAML would silently keep the last, so delete the one you do not mean")
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {e}")
+        raise ConfigError(f"{what} {path!r} is not valid YAML: {e}")
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping of settings, got {type(data).__name__}")
+        raise ConfigError(f"{what} {path!r} must hold a mapping of settings, got {type(data).__name__}")
     return data
+
+
+def _unknown_settings(path: str, unknown: List[Any], file_values: Dict[str, Any], algo_name: Any,
+                      data_name: Any, model_name: Any) -> str:
+    """The message for top-level keys that are not settings: where an option belongs, or the near key."""
+    from .algorithms import ALGORITHMS
+    from .data import DATASETS
+    from .models import MODELS, load_model_modules
+
+    load_model_modules()
+    valid = sorted(f.name for f in fields(RunConfig))
+
+    def option_names(cls) -> set:
+        return {f.name for f in fields(cls)} if cls is not None else set()
+
+    # The option mappings this file's algorithm, dataset and model read, where a stray key may belong.
+    homes = []
+    if algo_name in ALGORITHMS:
+        homes.append(("algo_options", f"algorithm {ALGORITHMS.canonical(algo_name)!r}",
+                      option_names(ALGORITHMS.get(algo_name).Options)))
+    if data_name in DATASETS:
+        homes.append(("data_options", f"dataset {DATASETS.canonical(data_name)!r}",
+                      option_names(DATASETS.get(data_name).options)))
+    if model_name in MODELS:
+        params = inspect.signature(MODELS.get(model_name)).parameters
+        homes.append(("model_options", f"model {MODELS.canonical(model_name)!r}",
+                      set(params) - {"input_shape", "num_classes"}))
+    notes, list_valid = [], False
+    for k in unknown:
+        home = next(((m, who) for m, who, names in homes if k in names), None)
+        if home is not None:
+            example = yaml.safe_dump({home[0]: {k: file_values[k]}}, default_flow_style=None).strip()
+            notes.append(f"{k!r} is an option of {home[1]}: put it under {home[0]} (`{example}`)")
+            continue
+        others = [n for n in ALGORITHMS.names() if k in option_names(ALGORITHMS.get(n).Options)]
+        if others:
+            notes.append(f"{k!r} is an option of algorithm(s) {', '.join(others)}, not of the algorithm this "
+                         f"file runs: set algo: to one of them and put {k!r} under algo_options:")
+            continue
+        near = difflib.get_close_matches(str(k), valid, n=1)
+        near_option = [(m, n) for m, _, names in homes for n in difflib.get_close_matches(str(k), names, n=1)]
+        if near:
+            notes.append(f"{k!r} is not a setting (did you mean {near[0]!r}?)")
+        elif near_option:
+            notes.append(f"{k!r} is not a setting (did you mean {near_option[0][1]!r}, under {near_option[0][0]}?)")
+        else:
+            notes.append(f"{k!r} is not a setting")
+            list_valid = True
+    tail = f"; valid: {valid}" if list_valid else ""
+    return f"config file {path!r} has unknown setting(s) {unknown}: " + "; ".join(notes) + tail
 
 
 def parse_args(argv: Optional[List[str]] = None):
     """Parse ``argv`` into (RunConfig, algorithm options, data options). Raises ConfigError."""
     from .algorithms import ALGORITHMS, load_algorithm_modules
     from .data import DATASETS, load_dataset_modules
+    from .data.partition import check_partition
+    from .models import MODELS, check_model_options, load_model_modules
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     pre.add_argument("--algo")
     pre.add_argument("--dataset")
+    pre.add_argument("--model")
     known, _ = pre.parse_known_args(argv)
     file_values = load_yaml(known.config) if known.config else {}
 
-    valid_keys = {f.name for f in fields(RunConfig)}
-    unknown = sorted(set(file_values) - valid_keys)
-    if unknown:
-        raise ConfigError(f"config file {known.config!r} has unknown setting(s) {unknown}; valid: {sorted(valid_keys)}")
+    for key in ("algo", "dataset", "model"):
+        # YAML reads `algo: null`, `algo: 5`, `algo: [fedavg]` as non-strings, which no registry can look up
+        if key in file_values and not isinstance(file_values[key], str):
+            raise ConfigError(f"config file {known.config!r}: {key} must be a name (a string), got "
+                              f"{file_values[key]!r}; write e.g. `{key}: {getattr(RunConfig, key)}` "
+                              f"(python -m fedhpc.launch --help lists the names)")
 
-    load_algorithm_modules(); load_dataset_modules()
+    load_algorithm_modules(); load_dataset_modules(); load_model_modules()
     algo_name = known.algo or file_values.get("algo", RunConfig.algo)
     data_name = known.dataset or file_values.get("dataset", RunConfig.dataset)
+    valid_keys = {f.name for f in fields(RunConfig)}
+    unknown = sorted(set(file_values) - valid_keys, key=str)
+    if unknown:
+        raise ConfigError(_unknown_settings(known.config, unknown, file_values, algo_name, data_name,
+                                            known.model or file_values.get("model")))
     algo_cls = ALGORITHMS.get(algo_name)
     data_spec = DATASETS.get(data_name)
+    # The run holds the registry's spelling ('Fedprox' -> 'fedprox', the alias 'fl' -> 'fedavg'): its
+    # identity, which --resume compares, and the names reports group by must not depend on the typing.
+    algo_name, data_name = ALGORITHMS.canonical(algo_name), DATASETS.canonical(data_name)
 
     parser = argparse.ArgumentParser(
         prog="python -m fedhpc.launch",
@@ -315,6 +428,7 @@ def parse_args(argv: Optional[List[str]] = None):
     for k in valid_keys:
         if k in args:
             values[k] = args[k]
+    values["algo"], values["dataset"] = algo_name, data_name
     for k in ("algo_options", "data_options", "model_options", "channel_options", "reference"):
         v = values.get(k) or {}
         if not isinstance(v, dict):
@@ -329,6 +443,15 @@ def parse_args(argv: Optional[List[str]] = None):
     cfg = RunConfig(**{k: (_coerce(v, hints[k], _flag(k)) if hints[k] in (int, float, str, bool) else v)
                        for k, v in values.items()})
     cfg.validate()
+    # What can be refused without the data is refused here, before a dataset is loaded (a sweep
+    # validates its points through this function); what needs the labels is checked when built.
+    check_partition(cfg.partition)
+    if cfg.model.strip().lower() == "auto":
+        cfg.model = "auto"
+    else:
+        MODELS.get(cfg.model)
+        cfg.model = MODELS.canonical(cfg.model)
+        check_model_options(cfg.model, cfg.model_options)
     algo_opts = build_options(algo_cls.Options, cfg.algo_options, f"algorithm {algo_name!r}")
     data_opts = build_options(data_spec.options, cfg.data_options, f"dataset {data_name!r}")
     return cfg, algo_opts, data_opts

@@ -31,6 +31,10 @@ class Registry(Generic[T]):
         self._aliases[alias.lower()] = name.lower()
 
     def canonical(self, name: str) -> str:
+        """The registered name of ``name`` (lower case, aliases resolved); runs store this one."""
+        if not isinstance(name, str):  # YAML reads `algo: 5`, `algo: null`, `algo: [x]` as non-strings
+            raise ConfigError(f"a {self.kind} is named by a string, got {name!r} ({type(name).__name__}); "
+                              f"choose one of: {', '.join(self.names())}")
         return self._aliases.get(name.lower(), name.lower())
 
     def aliases(self) -> Dict[str, str]:
@@ -48,4 +52,4 @@ class Registry(Generic[T]):
         return sorted(self._entries)
 
     def __contains__(self, name: str) -> bool:
-        return self.canonical(name) in self._entries
+        return isinstance(name, str) and self.canonical(name) in self._entries

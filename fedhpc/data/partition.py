@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -53,11 +54,17 @@ PARTITION_RULES = 2
 
 PartitionFn = Callable[[np.ndarray, int, np.random.Generator, str], List[np.ndarray]]
 _PARTITIONS: Dict[str, Tuple[PartitionFn, str]] = {}
+#: name -> a check of the spec's argument alone (no labels): what can be refused before any data loads
+_ARG_CHECKS: Dict[str, Callable[[str], object]] = {}
 
 
-def register_partition(name: str, help: str):
+def register_partition(name: str, help: str, check: Optional[Callable[[str], object]] = None):
+    """Register ``fn(labels, n, rng, arg)`` under ``name``; ``check(arg)`` raises ConfigError for an
+    argument that no data could make valid (the partition calls it too, so the two agree)."""
     def deco(fn: PartitionFn) -> PartitionFn:
         _PARTITIONS[name] = (fn, help)
+        if check is not None:
+            _ARG_CHECKS[name] = check
         return fn
 
     return deco
@@ -84,6 +91,15 @@ def parse_partition(spec: str) -> Tuple[str, str]:
             f"unknown partition {spec!r}; use one of: {partition_help()}"
         )
     return name, arg.strip()
+
+
+def check_partition(spec: str) -> None:
+    """Refuse ``spec`` if its name or argument is wrong whatever the data (``dirichlet:-1``,
+    ``classes:two``). Pure, so the launcher and the sweep call it before loading a dataset;
+    what depends on the labels or the client count is checked when the partition is made."""
+    name, arg = parse_partition(spec)
+    if name in _ARG_CHECKS:
+        _ARG_CHECKS[name](arg)
 
 
 class Partition(list):
@@ -189,21 +205,35 @@ def _partition(spec: str, labels: np.ndarray, num_clients: int, seed: int, min_s
     return parts
 
 
-@register_partition("iid", "")
+def _no_argument(name: str, meaning: str = ""):
+    def check(arg: str) -> None:
+        if arg:
+            raise ConfigError(f"partition {name!r} takes no argument{meaning}, got '{name}:{arg}'; write {name}")
+    return check
+
+
+@register_partition("iid", "", check=_no_argument("iid"))
 def _iid(labels, n, rng, arg):
-    if arg:
-        raise ConfigError(f"partition 'iid' takes no argument, got 'iid:{arg}'")
+    _no_argument("iid")(arg)
     return np.array_split(rng.permutation(len(labels)), n)
 
 
-@register_partition("dirichlet", ":ALPHA")
-def _dirichlet(labels, n, rng, arg):
+def _dirichlet_alpha(arg: str) -> float:
     try:
         alpha = float(arg)
     except ValueError:
         raise ConfigError(f"partition 'dirichlet:{arg}' needs a positive number, e.g. dirichlet:0.5")
     if not alpha > 0:
         raise ConfigError(f"partition 'dirichlet:{arg}' needs a positive alpha (e.g. dirichlet:0.5)")
+    if not math.isfinite(alpha):  # Dir(inf) draws NaN proportions; the limit is the uniform split
+        raise ConfigError(f"partition 'dirichlet:{arg}' needs a finite alpha; for a near-uniform split use a "
+                          f"large one (e.g. dirichlet:100) or the partition iid")
+    return alpha
+
+
+@register_partition("dirichlet", ":ALPHA", check=_dirichlet_alpha)
+def _dirichlet(labels, n, rng, arg):
+    alpha = _dirichlet_alpha(arg)
     parts: List[List[np.ndarray]] = [[] for _ in range(n)]
     for c in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == c))
@@ -214,12 +244,20 @@ def _dirichlet(labels, n, rng, arg):
     return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
 
 
-def _parse_classes(labels, n, arg: str, name: str):
-    """The class list and K of ``name:K``; refuses K out of range and uncovered classes."""
+def _classes_k(arg: str, name: str) -> int:
+    """K of ``name:K`` as far as it can be checked without the labels."""
     try:
         k = int(arg)
     except ValueError:
         raise ConfigError(f"partition '{name}:{arg}' needs an integer, e.g. {name}:2")
+    if k < 1:
+        raise ConfigError(f"{name}:K needs K >= 1 classes per client, got {k}; e.g. {name}:2")
+    return k
+
+
+def _parse_classes(labels, n, arg: str, name: str):
+    """The class list and K of ``name:K``; refuses K out of range and uncovered classes."""
+    k = _classes_k(arg, name)
     classes = np.unique(labels)
     c = len(classes)
     if not 1 <= k <= c:
@@ -242,7 +280,7 @@ def _split_classes(labels, n, rng, holders: Dict[int, List[int]]) -> List[np.nda
     return [np.concatenate(p) for p in parts]
 
 
-@register_partition("classes", ":K (K random classes per client)")
+@register_partition("classes", ":K (K random classes per client)", check=lambda arg: _classes_k(arg, "classes"))
 def _classes(labels, n, rng, arg):
     """K distinct classes per client, drawn at random under balanced per-class quotas.
 
@@ -294,7 +332,8 @@ def _classes(labels, n, rng, arg):
     return _split_classes(labels, n, rng, holders)
 
 
-@register_partition("classes_cyclic", ":K (K consecutive classes, round-robin)")
+@register_partition("classes_cyclic", ":K (K consecutive classes, round-robin)",
+                    check=lambda arg: _classes_k(arg, "classes_cyclic"))
 def _classes_cyclic(labels, n, rng, arg):
     """The earlier ``classes:K``, unchanged: clients take K consecutive classes of one
     seeded class order, round-robin, so every class is held by N*K/C clients (+-1) but
@@ -353,23 +392,20 @@ def _deal_skewed(labels, n, rng, m: int, a: int, b: int, spec: str):
     return parts
 
 
-@register_partition("skewed", ":M:A:B")
+@register_partition("skewed", ":M:A:B", check=_parse_skewed)
 def _skewed(labels, n, rng, arg):
     m, a, b = _parse_skewed(arg)
     return _deal_skewed(labels, n, rng, m, a, b, f"skewed:{arg}")
 
 
-@register_partition("mix2fld", " (= skewed:2:2:62)")
+@register_partition("mix2fld", " (= skewed:2:2:62)", check=_no_argument("mix2fld", " (it is skewed:2:2:62)"))
 def _mix2fld(labels, n, rng, arg):
-    if arg:
-        raise ConfigError(f"partition 'mix2fld' takes no argument (it is skewed:2:2:62), got 'mix2fld:{arg}'")
+    _no_argument("mix2fld", " (it is skewed:2:2:62)")(arg)
     return _deal_skewed(labels, n, rng, 2, 2, 62, "mix2fld")
 
 
-@register_partition("deficient", ":L1,L2,...:A:B (same minority labels on every client)")
-def _deficient(labels, n, rng, arg):
-    """XorMixFL's devices: every client takes A samples of each listed label and B of every other
-    label (the paper: 2 of the target label, 60 of the others), dealt like ``skewed``."""
+def _parse_deficient(arg: str):
+    """(minority labels, A, B) of ``deficient:L1,L2,...:A:B``, checked as far as possible without the labels."""
     try:
         listed, a, b = arg.split(":")
         minority = sorted({int(v) for v in listed.replace("+", ",").split(",") if v.strip()})
@@ -377,13 +413,21 @@ def _deficient(labels, n, rng, arg):
     except ValueError:
         raise ConfigError(f"partition 'deficient:{arg}' needs L1,L2,...:A:B (labels every client holds A "
                           f"samples of, B samples of every other label), e.g. deficient:0,2:2:60")
+    if a < 0 or b < 0 or (a == 0 and b == 0):
+        raise ConfigError(f"deficient:L:A:B needs non-negative A, B and not A = B = 0, got deficient:{arg}")
+    return minority, a, b
+
+
+@register_partition("deficient", ":L1,L2,...:A:B (same minority labels on every client)", check=_parse_deficient)
+def _deficient(labels, n, rng, arg):
+    """XorMixFL's devices: every client takes A samples of each listed label and B of every other
+    label (the paper: 2 of the target label, 60 of the others), dealt like ``skewed``."""
+    minority, a, b = _parse_deficient(arg)
     classes = np.unique(labels)
     missing = [c for c in minority if c not in set(classes.tolist())]
     if missing:
         raise ConfigError(f"partition 'deficient:{arg}' names label(s) {missing} the pool does not hold "
                           f"(its labels: {classes.tolist()})")
-    if a < 0 or b < 0 or (a == 0 and b == 0):
-        raise ConfigError(f"deficient:L:A:B needs non-negative A, B and not A = B = 0, got deficient:{arg}")
     spec = f"deficient:{arg}"
     queues = [rng.permutation(np.flatnonzero(labels == cl)) for cl in classes]
     taken = np.zeros(len(classes), dtype=np.int64)

@@ -25,4 +25,6 @@ def pool_out(size: int, kernel: int = 2, stride: Optional[int] = None, padding: 
 
 def require_positive(name: str, size: int, input_shape) -> None:
     if size < 1:
-        raise ConfigError(f"input_shape {tuple(input_shape)} is too small: {name} would be empty")
+        raise ConfigError(f"input_shape {tuple(input_shape)} is too small: {name} would be empty; use a model made "
+                          f"for small inputs (--model mlp; --model cnn for images of 2x2 or more) or larger inputs "
+                          f"(e.g. --data-opt shape=1x28x28 for the synthetic dataset)")

@@ -109,7 +109,7 @@ def _axis_list(key: str, values: Any, where: str, path: str) -> List[Any]:
 
 def load_grid(path: str) -> Grid:
     """Read and check a grid file's structure (points are validated by :func:`expand`)."""
-    raw = load_yaml(path)
+    raw = load_yaml(path, "grid file")
     unknown = sorted(set(raw) - set(GRID_KEYS))
     if unknown:
         raise ConfigError(f"grid {path} has unknown top-level key(s) {unknown}; valid: {list(GRID_KEYS)} "
@@ -253,14 +253,23 @@ def expand(grid: Grid, validate: bool = True) -> List[Point]:
 def validate_points(grid: Grid, points: List[Point]) -> None:
     """Run each point's settings through the launcher's own parser; refuse the grid naming every bad point."""
     bad = []
+    resolved: Dict[str, int] = {}  # a point's full configuration as the launcher resolves it -> its index
     with tempfile.TemporaryDirectory(prefix="fedhpc-sweep-") as tmp:
         for p in points:
             path = os.path.join(tmp, f"{p.index}.yaml")
             with open(path, "w") as f:
                 yaml.safe_dump(p.settings, f, sort_keys=False)
             try:
+                # parse_args also checks the partition spec and the model options, which need no data,
+                # so a point the launcher would refuse stops the sweep here rather than after point 0 ran
                 cfg, _, _ = parse_args(["--config", path])
                 p.rounds = cfg.rounds
+                # Ids hash the names as written; the launcher resolves 'Fedprox' and the alias 'fl'
+                # to 'fedprox' and 'fedavg', so two differently spelled points can be one run.
+                same = resolved.setdefault(json.dumps(cfg.to_dict(), sort_keys=True, default=str), p.index)
+                if same != p.index:
+                    bad.append(f"  point {p.index} ({p.label}): the same run as point {same} once the launcher "
+                               f"resolves its settings (e.g. names differing only in case, or fl = fedavg); remove one")
             except FedHPCError as e:
                 bad.append(f"  point {p.index} ({p.label}): {str(e).replace(repr(path), 'its settings')}")
             except SystemExit:  # argparse on a malformed value

@@ -1,0 +1,261 @@
+"""Bad configuration input is refused with a ConfigError naming the problem and the fix, before
+anything is written or any dataset is loaded: YAML files and grids (encoding, duplicate keys,
+names that are not strings, stray option keys), KEY=VALUE options, model options, partition
+specs, and names stored as the registry spells them."""
+
+import warnings
+
+import pytest
+import yaml
+
+from fedhpc.config import parse_args
+from fedhpc.errors import ConfigError
+from fedhpc.launch import main
+from fedhpc.sweep import expand, load_grid
+from fedhpc.sweep.cli import main as sweep_main
+
+TINY = ["--rounds", "1", "--num-clients", "4", "--clients-per-round", "2", "--model", "mlp",
+        "--quiet", "--threads", "1", "--no-tensorboard"]
+GRID_BASE = {"num_clients": 8, "clients_per_round": 4, "model": "mlp", "quiet": True, "rounds": 1,
+             "tensorboard": False}
+
+
+def refused(argv, capsys, tmp_path):
+    """Run the launcher; assert exit code 2, a one-line error, no traceback, no output folder."""
+    out = tmp_path / "out"
+    code = main(argv + ["--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    assert not out.exists(), "no output may be written for a refused configuration"
+    return err
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+# --------------------------------------------------------------------------- 1. encoding
+
+def test_non_utf8_config_and_grid_files_are_refused_with_the_fix(tmp_path, capsys):
+    cfg = write(tmp_path, "utf16.yaml", b"\xff\xfealgo: fedavg\n")
+    err = refused(["--config", cfg] + TINY, capsys, tmp_path)
+    assert "not UTF-8" in err and "save it as UTF-8" in err and "0xff" in err
+    grid = write(tmp_path, "grid.yaml", b"\xff\xfebase: {rounds: 1}\nout: " + str(tmp_path / "sweep").encode())
+    assert sweep_main([grid, "--local", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "grid file" in err and "not UTF-8" in err and "save it as UTF-8" in err and "Traceback" not in err
+    # a grid's launch file is read the same way
+    grid = write(tmp_path, "grid2.yaml", yaml.safe_dump({"config": cfg, "base": GRID_BASE}))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        expand(load_grid(grid))
+
+
+# --------------------------------------------------------------------------- 2. names of the wrong type
+
+@pytest.mark.parametrize("key", ["algo", "dataset", "model"])
+@pytest.mark.parametrize("value", ["null", "5", "[fedavg]", "true"])
+def test_a_name_that_is_not_a_string_is_refused_naming_the_setting(tmp_path, capsys, key, value):
+    cfg = write(tmp_path, "c.yaml", f"{key}: {value}\n")
+    err = refused(["--config", cfg, "--rounds", "1"], capsys, tmp_path)
+    assert f"{key} must be a name (a string)" in err and f"`{key}: " in err
+
+
+def test_registry_lookup_of_a_non_string_is_a_config_error():
+    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+    load_algorithm_modules()
+    with pytest.raises(ConfigError, match="named by a string.*fedavg"):
+        ALGORITHMS.get(None)
+    assert 5 not in ALGORITHMS
+
+
+# --------------------------------------------------------------------------- 3. KEY=VALUE that is not YAML
+
+@pytest.mark.parametrize("flag,item", [("--data-opt", "test_fraction=["), ("--model-opt", "hidden={a"),
+                                       ("--channel-opt", "p_up_dbm=]")])
+def test_option_value_that_is_not_yaml_is_refused(tmp_path, capsys, flag, item):
+    err = refused(TINY + [flag, item], capsys, tmp_path)
+    assert flag in err and "is not valid YAML" in err and "in quotes" in err
+
+
+# --------------------------------------------------------------------------- 4. model option types and ranges
+
+@pytest.mark.parametrize("model,opt,words", [
+    ("cnn", "width=-3", "'width' is a size and must be a positive integer, got -3"),
+    ("cnn", "width=0", "must be a positive integer, got 0"),
+    ("cnn", "width=abc", "'width' must be an integer, got 'abc'"),
+    ("cnn", "width=8.5", "'width' must be an integer"),
+    ("cnn", "dropout=.nan", "'dropout' must be a finite non-negative number"),
+    ("cnn", "norm=5", "'norm' must be a string"),
+    ("mlp", "depth=true", "'depth' must be an integer, got True"),
+    ("mix2fld_cnn", "channels=[4]", "'channels' must be a list of 2 values"),
+    ("mix2fld_cnn", "channels=[4, -1]", "'channels' holds a value that is a size"),
+    ("mix2fld_cnn", "bias=1", "'bias' must be true or false"),
+    ("lenet5", "conv1_padding=-1", "'conv1_padding' must be >= 0"),
+])
+def test_model_option_of_wrong_type_or_range_is_refused_before_the_data(tmp_path, capsys, monkeypatch,
+                                                                        model, opt, words):
+    def no_data(*a, **k):
+        raise AssertionError("the dataset was loaded before the model options were checked")
+
+    monkeypatch.setattr("fedhpc.engine.build_dataset", no_data)  # where the launcher's engine loads data
+    argv = [a for a in TINY if a != "mlp" and a != "--model"] + ["--model", model, "--model-opt", opt]
+    err = refused(argv, capsys, tmp_path)
+    assert words in err and "e.g. --model-opt" in err and "(the default)" in err
+
+
+def test_model_options_that_are_valid_pass_the_check():
+    from fedhpc.models import check_model_options
+    check_model_options("lenet5", {"conv1_padding": 0})            # 0 pads nothing
+    check_model_options("resnet56", {"projection_dim": 0})          # 0 = off, its default
+    check_model_options("mix2fld_cnn", {"channels": [4, 8], "padding": (0, 1), "bias": True})
+    check_model_options("mobilenet", {"width_multiplier": 1})       # an integer is a number
+    check_model_options("cnn", {"norm": "batch", "dropout": 0.25, "width": 4})
+
+
+def test_misspelled_model_option_suggests_the_near_name():
+    with pytest.raises(ConfigError, match=r"no option\(s\) \['widht'\] \(did you mean 'width'\?\)"):
+        parse_args(["--model", "cnn", "--model-opt", "widht=4"])
+
+
+# --------------------------------------------------------------------------- 5. duplicate keys
+
+@pytest.mark.parametrize("text,key,lines", [
+    ("rounds: 1\nlr: 0.1\nrounds: 2\n", "rounds", "lines 1 and 3"),
+    ("algo: fedprox\nalgo_options:\n  mu: 0.1\n  mu: 0.2\n", "mu", "lines 3 and 4"),
+    ("data_options: {test_fraction: 0.1, test_fraction: 0.2}\n", "test_fraction", "lines 1 and 1"),
+    ("model: mlp\nmodel_options:\n  hidden: 8\n  depth: 2\n  hidden: 16\n", "hidden", "lines 3 and 5"),
+])
+def test_duplicate_keys_are_refused_naming_key_and_lines(tmp_path, capsys, text, key, lines):
+    err = refused(["--config", write(tmp_path, "d.yaml", text), "--rounds", "1"], capsys, tmp_path)
+    assert f"sets {key!r} twice ({lines})" in err and "delete the one" in err
+
+
+def test_duplicate_keys_in_a_grid_or_its_launch_file_are_refused(tmp_path, capsys):
+    out = str(tmp_path / "sweep")
+    grid = write(tmp_path, "g.yaml", f"base: {{rounds: 1}}\naxes:\n  seed: [0, 1]\n  seed: [2]\nout: {out}\n")
+    assert sweep_main([grid, "--local", "--dry-run"]) == 2
+    assert "sets 'seed' twice (lines 3 and 4)" in capsys.readouterr().err
+    launch = write(tmp_path, "l.yaml", "lr: 0.1\nlr: 0.2\n")
+    grid = write(tmp_path, "g2.yaml", yaml.safe_dump({"config": launch, "base": GRID_BASE, "out": out}))
+    assert sweep_main([grid, "--local", "--dry-run"]) == 2
+    assert "sets 'lr' twice (lines 1 and 2)" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_key_set_twice_is_refused_but_a_merge_key_may_still_be_overridden(tmp_path):
+    with pytest.raises(ConfigError, match="sets 'mu' twice"):
+        parse_args(["--config", write(tmp_path, "d.yaml", "algo: fedprox\nalgo_options: {mu: 0.1, mu: 0.3}\n")])
+    # `<<:` merges a mapping whose keys the enclosing one may override: that is not a duplicate
+    cfg = write(tmp_path, "m.yaml", "algo: fedprox\nalgo_options:\n  <<: {mu: 0.1}\n  mu: 0.3\n")
+    assert parse_args(["--config", cfg])[1].mu == 0.3
+
+
+# --------------------------------------------------------------------------- 6. canonical names
+
+@pytest.mark.parametrize("argv,field,stored", [
+    (["--algo", "Fedprox"], "algo", "fedprox"),
+    (["--algo", "fl"], "algo", "fedavg"),          # the alias: the run is FedAvg, and its identity says so
+    (["--algo", "FL"], "algo", "fedavg"),
+    (["--dataset", "Digits"], "dataset", "digits"),
+    (["--model", "MLP"], "model", "mlp"),
+    (["--model", "Auto"], "model", "auto"),
+])
+def test_names_are_stored_as_the_registry_spells_them(argv, field, stored):
+    cfg = parse_args(argv)[0]
+    assert getattr(cfg, field) == stored and cfg.identity()[field] == stored
+
+
+def test_yaml_names_are_canonical_too_and_a_run_resumes_under_any_spelling(tmp_path, capsys):
+    cfg = write(tmp_path, "c.yaml", "algo: Fedprox\nalgo_options: {mu: 0.01}\n")
+    out = str(tmp_path / "run")
+    base = ["--num-clients", "4", "--clients-per-round", "2", "--model", "mlp", "--quiet", "--threads", "1",
+            "--no-tensorboard", "--out", out]
+    assert main(["--config", cfg, "--rounds", "1"] + base) == 0
+    assert yaml.safe_load(open(f"{out}/config.yaml"))["algo"] == "fedprox"
+    code = main(["--algo", "fedprox", "--mu", "0.01", "--rounds", "2", "--resume"] + base)
+    assert code == 0, capsys.readouterr().err
+
+
+def test_sweep_points_that_differ_only_by_spelling_are_one_run(tmp_path):
+    grid = write(tmp_path, "g.yaml", yaml.safe_dump({"base": GRID_BASE, "axes": {"algo": ["fl", "fedavg", "Fedprox"]},
+                                                     "out": str(tmp_path / "sweep")}))
+    with pytest.raises(ConfigError) as e:
+        expand(load_grid(grid))
+    assert "point 1 (algo-fedavg): the same run as point 0" in str(e.value) and "remove one" in str(e.value)
+    assert "point 2" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- 7. non-finite Dirichlet alpha
+
+@pytest.mark.parametrize("spec", ["dirichlet:inf", "dirichlet:Infinity"])
+def test_non_finite_dirichlet_alpha_is_refused_up_front(tmp_path, capsys, spec):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy RuntimeWarning on the way
+        err = refused(TINY + ["--partition", spec], capsys, tmp_path)
+    assert spec in err and "larger Dirichlet alpha" not in err
+    assert "dirichlet:0.5" in err or "dirichlet:100" in err
+
+
+# --------------------------------------------------------------------------- 8. stray top-level keys
+
+@pytest.mark.parametrize("text,words", [
+    ("algo: fedprox\nmu: 0.1\n",
+     "'mu' is an option of algorithm 'fedprox': put it under algo_options (`algo_options: {mu: 0.1}`)"),
+    ("test_fraction: 0.3\n", "'test_fraction' is an option of dataset 'digits': put it under data_options"),
+    ("model: mlp\nhidden: 8\n", "'hidden' is an option of model 'mlp': put it under model_options"),
+    ("mu: 0.1\n", "'mu' is an option of algorithm(s) fedalign, fedprox"),
+    ("roundz: 3\n", "'roundz' is not a setting (did you mean 'rounds'?)"),
+])
+def test_a_stray_top_level_key_says_where_it_belongs(tmp_path, capsys, text, words):
+    err = refused(["--config", write(tmp_path, "s.yaml", text)], capsys, tmp_path)
+    assert "unknown setting(s)" in err and words in err, err
+    assert "valid: [" not in err  # every key above got a specific hint; the full list only helps when none does
+
+
+# --------------------------------------------------------------------------- 9. input too small
+
+def test_input_too_small_for_the_model_names_the_fix():
+    from fedhpc.models import build_model
+    with pytest.raises(ConfigError) as e:
+        build_model("lenet5", (1, 5, 5), 10)
+    assert "too small" in str(e.value) and "--model mlp" in str(e.value) and "larger inputs" in str(e.value)
+
+
+# --------------------------------------------------------------------------- 10. checks without data
+
+@pytest.mark.parametrize("spec,words", [
+    ("dirichlet:-1", "positive alpha"), ("dirichlet:x", "positive number"), ("dirichlet:nan", "positive alpha"),
+    ("dirichlet:inf", "finite alpha"), ("classes:0", "K >= 1"),
+    ("classes_cyclic:two", "needs an integer"), ("skewed:2:2", "M:A:B"), ("iid:3", "takes no argument"),
+    ("mix2fld:1", "takes no argument"), ("deficient:0,2:-1:60", "non-negative"), ("halves", "unknown partition"),
+])
+def test_partition_spec_is_checked_without_data(spec, words):
+    from fedhpc.data.partition import check_partition
+    with pytest.raises(ConfigError, match=words):
+        check_partition(spec)
+    with pytest.raises(ConfigError, match=words):
+        parse_args(["--partition", spec])
+
+
+def test_valid_partition_specs_pass_the_check():
+    from fedhpc.data.partition import check_partition
+    for spec in ["auto", "iid", "dirichlet:0.5", "classes:2", "classes_cyclic:3", "skewed:2:2:62", "mix2fld",
+                 "deficient:0,2:2:60", "natural"]:
+        check_partition(spec)
+
+
+def test_sweep_dry_run_refuses_a_bad_partition_or_model_option_before_anything_runs(tmp_path, capsys):
+    grid = write(tmp_path, "g.yaml", yaml.safe_dump({
+        "base": {**GRID_BASE, "model": "cnn"},
+        "zip": [{"partition": ["dirichlet:0.5", "dirichlet:-1", "iid"],
+                 "model_options.widht": [None, None, 4]}],
+        "out": str(tmp_path / "sweep")}))
+    assert sweep_main([grid, "--local", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "2 of 3 point(s) fail validation" in err
+    assert "point 1 (partition-dirichlet--1): partition 'dirichlet:-1' needs a positive alpha" in err
+    assert "point 2 (widht-4_partition-iid): model 'cnn' has no option(s) ['widht'] (did you mean 'width'?)" in err
+    assert not (tmp_path / "sweep").exists()
