@@ -174,9 +174,25 @@ def _read(directory: str) -> Dict[str, Any]:
     return body
 
 
+def _canonical_names(identity: Dict[str, Any]) -> Dict[str, Any]:
+    """``identity`` with the algorithm, dataset and model named as their registries spell them:
+    runs started before the launcher stored canonical names hold what was typed ('Fedprox', the
+    alias 'fl'), and must still resume under today's spelling."""
+    from .algorithms import ALGORITHMS, load_algorithm_modules
+    from .data import DATASETS, load_dataset_modules
+    from .models import MODELS, load_model_modules
+
+    load_algorithm_modules(); load_dataset_modules(); load_model_modules()
+    out = dict(identity)
+    for key, registry in (("algo", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS)):
+        if isinstance(out.get(key), str) and out[key] in registry:
+            out[key] = registry.canonical(out[key])
+    return out
+
+
 def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, Any]) -> None:
-    if body.get("identity") != identity:
-        saved, now = body.get("identity") or {}, identity
+    if _canonical_names(body.get("identity") or {}) != _canonical_names(identity):
+        saved, now = _canonical_names(body.get("identity") or {}), _canonical_names(identity)
         diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}"
                  for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
         raise CheckpointError(

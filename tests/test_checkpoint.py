@@ -473,6 +473,18 @@ def test_resume_past_a_corrupt_checkpoint_end_to_end(tmp_path, uninterrupted):
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), k
 
 
+@pytest.mark.parametrize("typed", ["fl", "FedAvg"])
+def test_a_checkpoint_naming_the_algorithm_as_typed_resumes_under_its_registry_name(tmp_path, typed):
+    """Runs started before the launcher stored canonical names hold the alias or the case the
+    user typed (the shipped Mix2FLD sweeps use algo: fl); they resume under the canonical name,
+    and another algorithm is still refused."""
+    out = saved_run(tmp_path, rounds=(10,), identities={10: {**IDENTITY, "algo": typed}})
+    directory, body = ckpt.load_latest_intact(out, IDENTITY, warn=None)
+    assert body["round"] == 10
+    with pytest.raises(CheckpointError, match="algo: checkpoint 'fedavg' vs now 'fedprox'"):
+        ckpt.load_latest_intact(out, {**IDENTITY, "algo": "fedprox"}, warn=None)
+
+
 def test_a_checkpoint_from_older_partition_rules_is_refused(tmp_path):
     """classes:K once meant a cyclic deal: a checkpoint written under the old rules names the
     same spec but another split, so resuming it onto today's partition must be refused."""
