@@ -45,37 +45,36 @@ def test_run_outputs(tmp_path):
     assert [s.step for s in ev.Scalars("test_accuracy")] == [2, 4, 5]
 
 
-def test_sigusr1_checkpoints_and_exits_75(tmp_path):
-    out = str(tmp_path / "run")
+def signal_a_long_run(out, signum, checkpoint_every, after_records):
+    """Start a 400-round run, send ``signum`` once metrics.jsonl holds ``after_records`` lines;
+    returns (exit code, stderr)."""
     args = FAST[:]
     args[args.index("--rounds") + 1] = "400"
-    proc = subprocess.Popen([sys.executable, "-m", "fedhpc.launch", *args, "--out", out, "--checkpoint-every", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "fedhpc.launch", *args, "--out", out, "--checkpoint-every",
+                             str(checkpoint_every)],
                             cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     path = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(path) and os.path.getsize(path) > 0):
+    while time.time() < deadline and not (os.path.exists(path) and sum(1 for _ in open(path)) >= after_records):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err
+    return proc.returncode, err
+
+
+def test_sigusr1_checkpoints_and_exits_75(tmp_path):
+    out = str(tmp_path / "run")
+    code, err = signal_a_long_run(out, signal.SIGUSR1, 0, 1)
+    assert code == 75, err
     done = int(open(os.path.join(out, "checkpoints", "LATEST")).read().split("_")[1])
     assert 1 <= done < 400
-    assert sum(1 for _ in open(path)) == done
+    assert sum(1 for _ in open(os.path.join(out, "metrics.jsonl"))) == done
 
 
 def test_ctrl_c_says_the_last_checkpoint_is_intact_and_how_to_continue(tmp_path):
     out = str(tmp_path / "run")
-    args = FAST[:]
-    args[args.index("--rounds") + 1] = "400"
-    proc = subprocess.Popen([sys.executable, "-m", "fedhpc.launch", *args, "--out", out, "--checkpoint-every", "2"],
-                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    path = os.path.join(out, "metrics.jsonl")
-    deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(path) and sum(1 for _ in open(path)) >= 3):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    code, err = signal_a_long_run(out, signal.SIGINT, 2, 3)
+    assert code == 130, err
     assert f"interrupted; the last checkpoint in {out}/checkpoints is intact: continue with the same " \
            f"command plus --resume" in err, err
     assert "Traceback" not in err
