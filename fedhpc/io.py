@@ -50,6 +50,15 @@ def _atomic(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
         raise
 
 
+def probe_write(directory: str) -> None:
+    """Raise OSError unless a file can be created in ``directory``: checked before long work by
+    whatever writes there later. A probe file, because permissions alone do not tell (os.access
+    says yes to root on a read-only mount)."""
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".fedhpc-write-test-")
+    os.close(fd)
+    os.unlink(probe)
+
+
 def atomic_write_bytes(path: str, write: Callable[[Any], None]) -> None:
     """Write a binary file atomically through ``write(file_object)`` (plots, archives...)."""
     _atomic(path, write)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import traceback
 from typing import List, Optional
 
@@ -35,10 +34,10 @@ def _check_out_is_writable(cfg) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"--out {cfg.out} lies under {existing}, which is a file; choose another --out")
-    try:  # a probe file, as permissions alone do not tell (root on a read-only mount)
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".fedhpc-write-test-")
-        os.close(fd)
-        os.unlink(probe)
+    from .io import probe_write
+
+    try:
+        probe_write(existing)
     except OSError as e:
         raise ConfigError(f"--out {cfg.out}: cannot write in {existing} ({e.strerror}); fix its permissions "
                           f"or choose another --out")

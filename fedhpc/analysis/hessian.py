@@ -50,7 +50,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -58,7 +57,7 @@ from torch import nn
 
 from ..algorithms.base import derive_seed, task_loss
 from ..errors import CheckpointError, ConfigError, DataError, FedHPCError
-from ..io import atomic_torch_save, atomic_write_json
+from ..io import atomic_torch_save, atomic_write_json, probe_write
 
 Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
@@ -478,9 +477,7 @@ def _check_out(path: str) -> Optional[str]:
     try:
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
+        probe_write(directory)
     except OSError as e:
         return (f"cannot write the result to {path} ({e.strerror or e}); pass --out a file in a folder you "
                 f"can write to")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
-from ..io import atomic_write_json, atomic_write_text
+from ..io import atomic_write_json, atomic_write_text, probe_write
 from .plots import plot_groups
 from .render import Document, fmt_stat, fmt_value, unit_of
 from .runs import Group, Run, find_runs, group_runs, varying_settings
@@ -26,9 +25,7 @@ def _check_out_dir(out_dir: str) -> None:
     system and a missing permission alike (os.access says yes to root on a read-only mount)."""
     try:
         os.makedirs(out_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
+        probe_write(out_dir)
     except OSError as e:
         why = "it is a file" if os.path.isfile(out_dir) else (e.strerror or str(e))
         raise ConfigError(f"cannot write the report to {out_dir}: {why}; pass --out a folder you can write "
