@@ -191,8 +191,8 @@ def _canonical_names(identity: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, Any]) -> None:
-    if _canonical_names(body.get("identity") or {}) != _canonical_names(identity):
-        saved, now = _canonical_names(body.get("identity") or {}), _canonical_names(identity)
+    saved, now = _canonical_names(body.get("identity") or {}), _canonical_names(identity)
+    if saved != now:
         diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}"
                  for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
         raise CheckpointError(

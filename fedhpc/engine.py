@@ -144,6 +144,8 @@ class Engine(Evaluation, RunLog):
         self.sim_seconds_total = 0.0
         self.start_round = 0
         self.stop_round = cfg.rounds  # earlier when --stop-epsilon is met
+        self._round_metrics: Optional[Dict[str, float]] = None        # the last round's, before evaluation
+        self._final_round_metrics: Optional[Dict[str, float]] = None  # a resumed finished run's (restore)
         self.cum_bytes = {"bytes_up_total": 0.0, "bytes_down_total": 0.0}
         self.round_seconds_total = 0.0
         # The first optimizer built in a process imports torch._dynamo lazily (1-3 s): pay it
@@ -415,7 +417,7 @@ class Engine(Evaluation, RunLog):
         logged it even off the --eval-every grid; the longer run logs that round as an ordinary
         one. Its training metrics (kept in the checkpoint) with, on the grid, an ordinary
         evaluation of the restored model, replace that record. None: nothing to redo."""
-        saved = getattr(self, "_final_round_metrics", None)
+        saved = self._final_round_metrics
         if not saved or self.start_round >= self.stop_round:
             return None
         record = dict(saved)
