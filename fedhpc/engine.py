@@ -29,7 +29,7 @@ from .flat import FlatModel
 from .io import atomic_torch_save
 from .models import build_model
 from .run_log import RunLog
-from .world import World
+from .world import World, exact_sum_step
 
 #: exit code after a SIGTERM/SIGUSR1 checkpoint: "temporary failure, run again with --resume"
 EXIT_PREEMPTED = 75
@@ -124,15 +124,25 @@ class Engine(Evaluation, RunLog):
         self.algo.channel_active = self.channel_active
 
         # Layout of the one buffer all-reduced per round: the algorithm's uploads, then
-        # metrics, then (with a channel) one row per sampled client, then the ledger.
+        # metrics, then one training-loss slot per sampled client, then (with a channel) one
+        # row per sampled client, then the ledger.
         self.uploads: Dict[str, Tuple[slice, Upload]] = {}
+        self._sum_grid: Dict[str, float] = {}  # upload -> grid step of its exact sum (Upload.bound)
         offset = 0
         for name, spec in self.algo.upload_spec().items():
             self.uploads[name] = (slice(offset, offset + spec.numel), spec)
             offset += spec.numel
-        self.metric_slots = ["weight", "loss_sum", "samples", "nonfinite", "stop", "compute_s", "failed"]
+            if spec.bound is not None:
+                if spec.weighted:
+                    raise ValueError(f"{cfg.algo}: upload {name!r} has a bound, which only unweighted uploads may have")
+                self._sum_grid[name] = exact_sum_step(spec.bound, cfg.clients_per_round)
+        self.metric_slots = ["weight", "samples", "nonfinite", "stop", "compute_s", "failed"]
         self.metric_offset = offset
-        self.link_offset = offset + len(self.metric_slots)
+        # one training-loss slot per sampled client: each slot has one nonzero term, so the
+        # all-reduce sums it exactly, and the loss of the round is summed in client order
+        # (math.fsum) whatever the number of ranks
+        self.loss_offset = offset + len(self.metric_slots)
+        self.link_offset = self.loss_offset + cfg.clients_per_round
         #: per sampled client: uplink ok, downlink ok, uplink s, downlink s, compute s
         self.link_fields = 5 if self.channel_active else 0
         self.ledger_offset = self.link_offset + self.link_fields * cfg.clients_per_round
@@ -179,7 +189,7 @@ class Engine(Evaluation, RunLog):
             for name, tensor in uploads.items():
                 algo.ledger.add("up", self.uploads[name][1].kind, self._wire_bytes(name, tensor))
             compute_s = time.perf_counter() - c0
-            buf[self._slot("loss_sum")] += loss_sum
+            buf[self.loss_offset + position[cid]] = loss_sum
             buf[self._slot("samples")] += ctx.samples
             buf[self._slot("compute_s")] += compute_s
             if self.channel_active:
@@ -189,6 +199,9 @@ class Engine(Evaluation, RunLog):
             weight = algo.client_weight(ctx)
             for name, tensor in uploads.items():
                 sl, spec = self.uploads[name]
+                if name in self._sum_grid:
+                    step = self._sum_grid[name]
+                    tensor = torch.round(tensor.to(buf.dtype) / step) * step  # powers of two: exact
                 buf[sl].add_(tensor.reshape(-1), alpha=weight if spec.weighted else 1.0)
             buf[self._slot("weight")] += weight
 
@@ -250,7 +263,7 @@ class Engine(Evaluation, RunLog):
         samples = float(buf[self._slot("samples")])
         metrics = {
             "round": t + 1,
-            "train_loss": float(buf[self._slot("loss_sum")]) / max(samples, 1.0),
+            "train_loss": math.fsum(buf[self.loss_offset:self.loss_offset + len(sampled)].tolist()) / max(samples, 1.0),
             "lr": rnd.lr,
             "clients": len(sampled),
             **ledger, **self.cum_bytes,

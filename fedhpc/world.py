@@ -18,6 +18,7 @@ their collectives go over gloo, staged through host memory (:func:`choose_backen
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -39,6 +40,18 @@ def _free_port() -> int:
 
 
 BACKENDS = ("auto", "nccl", "gloo")
+
+
+def exact_sum_step(bound: float, terms: int) -> float:
+    """The grid step on which ``terms`` values within [-bound, bound] sum exactly in float64.
+
+    Multiples of 2**e of magnitude below 2**(e+53) are exact doubles, and so is every partial
+    sum of at most ``terms`` of them when bound * terms <= 2**(e+52): the all-reduce then gives
+    the same bits for any number of ranks and any reduction order.
+    """
+    if not (bound > 0 and terms >= 1):
+        raise ValueError(f"exact_sum_step needs bound > 0 and terms >= 1, got {bound}, {terms}")
+    return 2.0 ** (math.ceil(math.log2(bound * terms)) - 52)
 
 
 def gpu_numerics(deterministic: bool) -> None:

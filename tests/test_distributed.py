@@ -97,6 +97,76 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_message(tmp_path):
     assert rounds == list(range(1, done + 3))
 
 
+# ----------------------------------------------------------------------------- exact sums
+
+def _rank_order_sums(values, cuts):
+    """Sum the rows of ``values`` as ranks would: each rank its block in order, then the blocks."""
+    import torch
+
+    blocks = [values[a:b] for a, b in zip([0] + cuts, cuts + [len(values)])]
+    partials = []
+    for block in blocks:
+        acc = torch.zeros_like(values[0])
+        for row in block:
+            acc = acc + row
+        partials.append(acc)
+    total = torch.zeros_like(values[0])
+    for part in partials:
+        total = total + part
+    return total
+
+
+def test_values_on_the_exact_sum_grid_add_up_the_same_for_any_rank_split():
+    import torch
+
+    from fedhpc.world import exact_sum_step
+
+    gen = torch.Generator().manual_seed(0)
+    clients = 10
+    probs = torch.rand(clients, 5000, dtype=torch.float64, generator=gen)
+    splits = [[], [3], [2, 7], [1, 4, 8]]  # 1, 2, 3 and 4 ranks
+    # raw float64 sums depend on the split in their last bits (what Upload.bound removes) ...
+    raw = [_rank_order_sums(probs, c) for c in splits]
+    assert any(not torch.equal(raw[0], r) for r in raw[1:])
+    step = exact_sum_step(1.0, clients)
+    assert step == 2.0 ** -48
+    on_grid = torch.round(probs / step) * step
+    assert float((on_grid - probs).abs().max()) <= step / 2
+    # ... on the grid they are bit for bit the same, and equal to the exact (fsum) sum
+    sums = [_rank_order_sums(on_grid, c) for c in splits]
+    assert all(torch.equal(sums[0], s) for s in sums[1:])
+    import math
+    exact = torch.tensor([math.fsum(col) for col in on_grid.T.tolist()], dtype=torch.float64)
+    assert torch.equal(sums[0], exact)
+    with pytest.raises(ValueError):
+        exact_sum_step(0.0, clients)
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    timing = ("round_seconds", "round_seconds_total", "compute_seconds", "sim_seconds", "sim_seconds_total")
+    return [{k: v for k, v in r.items() if k not in timing and not k.endswith("_s")} for r in rows]
+
+
+def test_federated_distillation_is_bit_for_bit_the_same_on_1_2_and_3_ranks(tmp_path):
+    """FLD averages no model: each device trains its own, the per-label output tables are
+    summed on an exact grid (Upload.bound) and the server converts the float64 G_out into its
+    model, so every logged number (the loss, relative change and accuracies included) has the
+    same bits for any rank count, not just within a tolerance. Before the grid, round 3
+    differed in the last bits on 3 ranks."""
+    args = FAST + ["--algo", "fld", "--partition", "dirichlet:0.5", "--seed", "5", "--rounds", "3",
+                   "--clients-per-round", "8"]
+    runs = {}
+    for ranks in (1, 2, 3):
+        out = str(tmp_path / f"r{ranks}")
+        p = launch(args + ["--out", out], ranks=ranks)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[ranks] = _metrics(out)
+    assert all("relative_change" in r and "train_loss" in r for r in runs[1][1:])
+    assert runs[1] == runs[2] == runs[3]
+
+
 # ----------------------------------------------------------------------------- ranks sharing a GPU
 
 @pytest.mark.parametrize("use_cuda,ranks,gpus,requested,expect", [

@@ -194,9 +194,10 @@ class PMixFed(PersonalAlgorithm):
         ctx.extra["mu"] = None if kept else self.broadcast(ctx, self.global_state)
 
     def upload_spec(self):
-        # the round's sum of broadcast mix factors and their count, for the log (no traffic)
+        # the round's sum of broadcast mix factors (in [0, 1]) and their count, for the log (no
+        # traffic); bound=1: summed exactly, so the logged mean is the same for any rank count
         return {"params": Upload(self.flat.numel, "parameters"),
-                "mu": Upload(2, "parameters", weighted=False, wire_bytes=0)}
+                "mu": Upload(2, "parameters", weighted=False, wire_bytes=0, bound=1.0)}
 
     def upload(self, model, ctx):
         ctx.save_state({"model": self.flat.flat})

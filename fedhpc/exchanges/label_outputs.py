@@ -14,7 +14,9 @@ output; a distillation loss skips them.
 
 In the engine the exchange rides on the round's one all-reduce: every device adds
 its table (rows of absent labels zero) and a presence vector to two *unweighted*
-upload slots, so the server's division gives Eq. 3 exactly, for any number of ranks.
+upload slots, so the server's division gives Eq. 3. Entries are probabilities, so the
+slots declare ``bound=1``: the engine rounds each table to a grid (2**-48 for 10
+devices) on which the sum is exact, and G_out has the same bits for any number of ranks.
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ def upload_spec(num_classes: int, kind: str = "outputs") -> Dict[str, Upload]:
     """The two round-buffer slots of the exchange: summed over devices, not weighted."""
     return {
         "label_outputs": Upload(num_classes * num_classes, kind, weighted=False,
-                                wire_bytes=num_classes * num_classes * 4),
+                                wire_bytes=num_classes * num_classes * 4, bound=1.0),
         # which labels a device's table covers: implied by its rows, nothing extra is sent
-        "label_presence": Upload(num_classes, kind, weighted=False, wire_bytes=0),
+        "label_presence": Upload(num_classes, kind, weighted=False, wire_bytes=0, bound=1.0),
     }
 
 
