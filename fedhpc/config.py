@@ -135,7 +135,11 @@ class RunConfig:
         need(self.client_state_budget_mb > 0, "--client-state-budget-mb must be positive")
         need(self.collective_timeout > 0, "--collective-timeout must be positive")
         need(self.seed >= 0, f"--seed must be non-negative, got {self.seed}")
-        parse_rounds(self.save_client_models)
+        # a round past --rounds is never reached, so its models would silently never be written
+        beyond = [r for r in parse_rounds(self.save_client_models, self.rounds) if r > self.rounds]
+        need(not beyond,
+             f"--save-client-models names round(s) {', '.join(map(str, beyond))} but --rounds is {self.rounds}, "
+             f"so they would never be saved; use rounds <= {self.rounds} or 'last' (or raise --rounds)")
         need(not self.save_client_models or bool(self.out),
              "--save-client-models needs --out DIR (the client models go to DIR/client_models)")
         need(not self.resume or bool(self.out), "--resume needs --out DIR (the folder holding the checkpoints)")

@@ -259,3 +259,14 @@ def test_sweep_dry_run_refuses_a_bad_partition_or_model_option_before_anything_r
     assert "point 1 (partition-dirichlet--1): partition 'dirichlet:-1' needs a positive alpha" in err
     assert "point 2 (widht-4_partition-iid): model 'cnn' has no option(s) ['widht'] (did you mean 'width'?)" in err
     assert not (tmp_path / "sweep").exists()
+
+
+# --------------------------------------------------------------------------- 11. rounds that are never reached
+
+def test_save_client_models_past_rounds_is_refused_naming_round_rounds_and_fix(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"names round\(s\) 30 but --rounds is 20.*use rounds <= 20 or 'last'"):
+        parse_args(["--rounds", "20", "--save-client-models", "5,30,last", "--out", "x"])
+    err = refused(TINY + ["--save-client-models", "2"], capsys, tmp_path)  # TINY has --rounds 1
+    assert "round(s) 2 but --rounds is 1" in err and "use rounds <= 1 or 'last'" in err
+    # the check is against this invocation's --rounds: a run extended to more rounds may name later ones
+    assert parse_args(["--rounds", "30", "--save-client-models", "5,30,last", "--out", "x"])[0].rounds == 30
