@@ -298,7 +298,7 @@ def femnist_images(writer_index, n, start):
     return x
 
 
-def write_tff_femnist(root, name="fed_emnist"):
+def write_tff_femnist(root, name="fed_emnist", sizes=None):
     """TFF layout: examples/<writer>/pixels float32 in [0, 1] with white background, label int32."""
     os.makedirs(root, exist_ok=True)
     truth = {"train": {}, "test": {}}
@@ -306,7 +306,7 @@ def write_tff_femnist(root, name="fed_emnist"):
     for split in ("train", "test"):
         with h5py.File(os.path.join(root, f"{name}_{split}.h5"), "w") as f:
             ex = f.create_group("examples")
-            for w, (writer, n) in enumerate(WRITER_SIZES.items()):
+            for w, (writer, n) in enumerate((sizes or WRITER_SIZES).items()):
                 n = n if split == "train" else 2
                 img = femnist_images(w, n, start)
                 g = ex.create_group(writer)
@@ -359,6 +359,17 @@ def test_femnist_tff_natural_partition_one_client_per_writer(tmp_path):
 
     with pytest.raises(DataError, match=f"has {len(eligible)} writers"):
         build_dataset(cfg_for(tmp_path, "femnist", "natural", len(eligible) + 1), opts("femnist", store="memory"))
+
+
+def test_femnist_natural_with_no_writer_large_enough_says_to_check_the_files(tmp_path):
+    write_tff_femnist(tmp_path / "femnist", sizes={"f0000_14": 1, "f0001_41": 1, "f0002_02": 1})
+    with pytest.raises(DataError) as e:
+        build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory"))
+    msg = str(e.value)
+    assert "femnist has no writer with at least 2 samples (3 writer(s), 1 sample(s) at most" in msg
+    assert os.path.join(str(tmp_path), "femnist", "fed_emnist_train.h5") in msg
+    assert "--data-dir" in msg and "--partition iid" in msg
+    assert "--num-clients 0" not in msg, "no number of clients can help"
 
 
 @pytest.mark.parametrize("partition", ["iid", "dirichlet:1.0", "classes:5"])

@@ -346,6 +346,18 @@ class NaturalReader(Reader):
         counts = self.writer_counts()
         eligible = np.flatnonzero(counts >= MIN_CLIENT_SAMPLES)
         n = int(self.cfg.num_clients)
+        if len(eligible) == 0:
+            # no --num-clients can help: the files themselves hold no usable writer
+            test = set(self.test_files())
+            train = [f for f in self.source_files() if f not in test]
+            named = ", ".join(train[:3]) + (f" and {len(train) - 3} more" if len(train) > 3 else "")
+            raise DataError(
+                f"{self.name} has no writer with at least {MIN_CLIENT_SAMPLES} samples ({len(counts)} writer(s), "
+                f"{int(counts.max()) if len(counts) else 0} sample(s) at most, in {named}), so partition 'natural' "
+                f"has no client to give; check that the files under --data-dir are the complete published "
+                f"{self.name} training files, not a truncated or filtered copy, or pool the samples with another "
+                f"partition (e.g. --partition iid)"
+            )
         if n > len(eligible):
             raise DataError(
                 f"{self.name} has {len(eligible)} writers with at least {MIN_CLIENT_SAMPLES} samples, "
