@@ -222,3 +222,63 @@ def test_save_client_models_last_with_stop_epsilon_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match="--save-client-models last cannot be combined with --stop-epsilon.*5,10,15"):
         parse_args(["--stop-epsilon", "0.05", "--save-client-models", "last", "--out", "x"])
     parse_args(["--stop-epsilon", "0.05", "--save-client-models", "5,10", "--out", "x"])  # named rounds are fine
+
+
+def _fake_run(run_dir, rounds, records):
+    """A run folder as the engine leaves it, written by hand: config.yaml, metrics.jsonl, final_model.pt."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"rounds": rounds, "seed": 0}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "final_model.pt").write_bytes(b"")
+    return str(run_dir)
+
+
+@pytest.mark.parametrize("rounds,last,file,words", [
+    (3, {"round": "three"}, "metrics.jsonl", "has round 'three', not a whole number"),
+    (3, {"round": None}, "metrics.jsonl", "has round None, not a whole number"),
+    (3, {"round": 2.5}, "metrics.jsonl", "has round 2.5, not a whole number"),
+    ("3 rounds", {"round": 3}, "config.yaml", "says rounds: '3 rounds', not a whole number"),
+])
+def test_a_damaged_run_is_reported_as_damaged_naming_the_file_and_the_fix(tmp_path, rounds, last, file, words):
+    run_dir = _fake_run(tmp_path / "run", rounds, [{"round": 1}, {"round": 2}, last])
+    state = run_state(run_dir)
+    assert state.status == "damaged", state
+    assert words in state.problem and str(tmp_path / "run" / file) in state.problem
+    assert f"delete {run_dir} to run it again" in state.problem and state.describe().startswith("damaged (")
+
+
+def test_damaged_run_without_round_or_with_a_torn_config_is_damaged_too(tmp_path):
+    run_dir = _fake_run(tmp_path / "run", 3, [{"round": 1}])
+    assert run_state(run_dir, 3, records=[{"round": 1}, {"loss": 0.5}]).problem.endswith(
+        f"has round None, not a whole number (the engine writes one per record); repair that line, or delete "
+        f"{run_dir} to run it again")
+    (tmp_path / "run" / "config.yaml").write_text("rounds: [3\n")
+    state = run_state(run_dir)
+    assert state.status == "damaged" and "config.yaml cannot be read as YAML" in state.problem
+
+
+def test_a_sweep_skips_a_damaged_point_and_runs_the_others(tmp_path, capsys):
+    path = write_grid(tmp_path, {"base": TINY, "axes": {"seed": [0, 1]}})
+    p0, p1 = expand(load_grid(path))
+    _fake_run(tmp_path / "sweep" / "runs" / p0.id, 3, [{"round": 1}, {"round": "2"}])
+    assert sweep_main([path, "--local", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "1 damaged, 1 not started" in out
+    assert f"{p0.id}: damaged (the last record of " in out and "-> skip until repaired" in out
+    assert out.count("would run: ") == 1 and p1.id in out.split("would run: ")[1]
+    # with nothing else to run it does not claim that every point is finished
+    for p in (p0, p1):
+        _fake_run(tmp_path / "s2" / "runs" / p.id, 3, [{"round": 1}, {"round": "2"}] if p is p0 else [{"round": 3}])
+    assert sweep_main([path, "--local", "--dry-run", "--out", str(tmp_path / "s2")]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to run: 1 point(s) skipped until their folders are repaired" in out
+    assert "every point is finished" not in out
+
+
+def test_the_report_lists_a_damaged_run_with_its_problem_instead_of_crashing(tmp_path, capsys):
+    from fedhpc.report.cli import main as report_main
+    run_dir = _fake_run(tmp_path / "runs" / "a", 3, [{"round": 1}, {"round": "x"}])
+    assert report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "report")]) == 0
+    (entry,) = json.loads((tmp_path / "report" / "summary.json").read_text())["excluded"]
+    assert entry["path"] == run_dir and entry["status"] == "damaged" and "has round 'x'" in entry["problem"]
+    assert "damaged (the last record of" in (tmp_path / "report" / "report.md").read_text()

@@ -83,14 +83,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         opts.tasks_per_node(grid.ranks)  # refuse an impossible layout before anything runs
         sweep_dir = grid.out
         planned = plan(grid, sweep_dir)
-        todo = [(p, s) for p, s in planned if s.status not in ("finished", "conflict")]
+        # conflict and damaged folders need a person: running them again could not make them whole
+        todo = [(p, s) for p, s in planned if s.status not in ("finished", "conflict", "damaged")]
         print(f"sweep {grid.name}: {len(planned)} point(s) ({_summary(planned)}) in {sweep_dir}")
         for p, s in planned:
-            action = {"finished": "skip", "conflict": "skip (see fedhpc/sweep/state.py)"}.get(
-                s.status, "resume" if s.status != "not started" else "run")
+            action = {"finished": "skip", "conflict": "skip (see fedhpc/sweep/state.py)",
+                      "damaged": "skip until repaired"}.get(s.status, "resume" if s.status != "not started" else "run")
             print(f"  [{p.index}] {p.id}: {s.describe()} -> {action}")
         if not todo:
-            print("nothing to do: every point is finished")
+            stuck = sum(s.status != "finished" for _, s in planned)
+            print(f"nothing to run: {stuck} point(s) skipped until their folders are repaired (see above)" if stuck
+                  else "nothing to do: every point is finished")
             return 0
 
         if args.local:

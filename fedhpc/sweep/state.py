@@ -8,6 +8,9 @@ interrupted  not finished, and started (metrics, a checkpoint, or an attempt tha
              by a signal / pre-empted): the next attempt resumes it
 conflict     metrics.jsonl runs past the configured rounds (the grid lowered ``rounds`` after the
              run): neither resumable nor comparable; delete the folder or restore ``rounds``
+damaged      config.yaml cannot be read or its ``rounds`` is not an integer, or metrics.jsonl's last
+             record has no integer ``round`` (a hand edit, another tool's file): the state cannot be
+             told; ``problem`` names the file and the fix (repair it, or delete the folder to re-run)
 not started  nothing there yet
 """
 
@@ -36,11 +39,15 @@ class RunState:
     last_round: int = 0
     rounds: Optional[int] = None
     exit_code: Optional[int] = None
+    #: what is wrong with a "damaged" run's files, and the fix
+    problem: Optional[str] = None
 
     def describe(self) -> str:
         where = f"round {self.last_round}/{self.rounds if self.rounds is not None else '?'}"
         if self.status == "failed":
             return f"failed (exit {self.exit_code}, {where})"
+        if self.status == "damaged":
+            return f"damaged ({self.problem})"
         if self.status in ("interrupted", "finished", "conflict"):
             return f"{self.status} ({where})"
         return self.status
@@ -92,15 +99,35 @@ def write_status(run_dir: str, exit_code: int, where: str) -> None:
                       {"exit_code": int(exit_code), "where": where, "ended": time.time()})
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def run_state(run_dir: str, rounds: Optional[int] = None,
               records: Optional[List[Dict[str, Any]]] = None) -> RunState:
-    """The state of the run in ``run_dir``; ``rounds`` defaults to its config.yaml's."""
-    if rounds is None:
-        cfg = read_config(run_dir) or {}
-        rounds = cfg.get("rounds")
-    records = read_metrics(run_dir) if records is None else records
-    last = int(records[-1]["round"]) if records else 0
+    """The state of the run in ``run_dir``; ``rounds`` defaults to its config.yaml's.
+
+    Never raises for the run's own files: one damaged run must not stop a status or a report
+    over many, so it is returned as "damaged" with the problem and the fix."""
     code = read_exit_code(run_dir)
+    if rounds is None:
+        try:
+            cfg = read_config(run_dir) or {}
+        except CheckpointError as e:
+            return RunState("damaged", 0, None, code, str(e))
+        rounds = cfg.get("rounds")
+    if rounds is not None and not _is_int(rounds):
+        # the report passes config.yaml's value; a grid's rounds is validated before it gets here
+        return RunState("damaged", 0, None, code,
+                        f"{os.path.join(run_dir, 'config.yaml')} says rounds: {rounds!r}, not a whole number; "
+                        f"set it to the run's --rounds, or delete {run_dir} to run it again")
+    records = read_metrics(run_dir) if records is None else records
+    last = records[-1].get("round") if records else 0
+    if not _is_int(last):
+        return RunState("damaged", 0, rounds, code,
+                        f"the last record of {os.path.join(run_dir, 'metrics.jsonl')} has round {last!r}, not a "
+                        f"whole number (the engine writes one per record); repair that line, or delete {run_dir} "
+                        f"to run it again")
     has_final = os.path.exists(os.path.join(run_dir, "final_model.pt"))
     started = bool(records) or has_final or os.path.exists(os.path.join(run_dir, "checkpoints", "LATEST"))
     if rounds is not None and last > rounds:
