@@ -283,3 +283,70 @@ def test_an_unwritable_out_is_refused_before_reading_runs(sweep_dir, tmp_path, c
         assert "Permission denied" in capsys.readouterr().err
     finally:
         ro.chmod(0o700)
+
+
+def _set_at(run, index, **values):
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[index] = json.dumps({**json.loads(lines[index]), **values})
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_records_with_non_numeric_plot_fields_are_left_out_of_the_plots_and_named(sweep_dir, tmp_path):
+    runs = _copy_runs(sweep_dir, tmp_path / "runs")
+    _set_at(runs[0], 0, round="one")                      # a round that is not a number
+    _set_at(runs[0], 1, bytes_up_total=None)              # an x axis field of null
+    _set_at(runs[1], 1, test_accuracy="high", round_seconds="slow")
+    out = tmp_path / "rep"
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["left_out_of_plots"] == [
+        {"path": str(runs[0]), "field": "bytes_up_total", "holds": "null", "records": 1},
+        {"path": str(runs[0]), "field": "round", "holds": '"one"', "records": 1},
+        {"path": str(runs[1]), "field": "round_seconds", "holds": '"slow"', "records": 1},
+        {"path": str(runs[1]), "field": "test_accuracy", "holds": '"high"', "records": 1}]
+    md = (out / "report.md").read_text()
+    assert "Records left out of the plots" in md and f"| {runs[0]} | round | \"one\" | 1 |" in md
+    for name in ("accuracy_vs_round", "accuracy_vs_bytes", "accuracy_vs_time", "personalized_accuracy_vs_round"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from fedhpc.report.plots import _mib, _rounds, curve
+    from fedhpc.report.runs import find_runs, group_runs
+    (g,) = group_runs(find_runs([str(tmp_path / "runs")])[0])
+    xs, mean, _ = curve(g, "test_accuracy", _rounds)
+    assert list(xs) == [3]  # round 1 is unusable in one run, round 2 in the other: only 3 is common
+    assert mean[0] == pytest.approx(statistics.mean(_records(r)[2]["test_accuracy"] for r in runs))
+    left_out = set()
+    assert list(curve(g, "test_accuracy", _mib, left_out)[0]) == pytest.approx(
+        [statistics.mean(_records(r)[2]["bytes_up_total"] + _records(r)[2]["bytes_down_total"] for r in runs) / 2**20])
+    assert {(p, f) for p, f, _, _ in left_out} == {(str(runs[0]), "round"), (str(runs[0]), "bytes_up_total"),
+                                                   (str(runs[1]), "test_accuracy")}
+
+
+def test_the_default_title_names_each_root_once_and_at_most_three(sweep_dir, tmp_path):
+    first = str(sweep_dir / "runs" / sorted(os.listdir(sweep_dir / "runs"))[0])
+    out = tmp_path / "rep"
+    assert report_main([first, first, first + "/", "--out", str(out)]) == 0
+    assert (out / "report.md").read_text().splitlines()[0] == f"# fedhpc report: {first}"
+    roots = [str(sweep_dir / "runs" / name) for name in sorted(os.listdir(sweep_dir / "runs"))]
+    assert report_main(roots + [roots[0], "--out", str(out)]) == 0
+    assert (out / "report.md").read_text().splitlines()[0] == \
+        f"# fedhpc report: {roots[0]}, {roots[1]}, {roots[2]} and {len(roots) - 3} more"
+
+
+def test_a_target_reached_in_a_record_without_a_readable_round_is_named_not_moved(sweep_dir, tmp_path):
+    runs = _copy_runs(sweep_dir, tmp_path / "runs")
+    first_accuracy = _records(runs[0])[0]["test_accuracy"]
+    _set_at(runs[0], 0, round="one")  # the record in which the target is first reached
+    from fedhpc.report.runs import find_runs, group_runs
+    from fedhpc.report.summary import time_to_target
+    (g,) = group_runs(find_runs([str(tmp_path / "runs")])[0])
+    t = time_to_target(g, first_accuracy - 1e-9)
+    assert t["unreadable"] == [str(runs[0])]
+    # the other runs are counted as they reach it; runs[0] is not reported at a later round
+    reached = [next(rec["round"] for rec in _records(r) if rec["test_accuracy"] >= first_accuracy - 1e-9)
+               for r in runs[1:] if any(rec["test_accuracy"] >= first_accuracy - 1e-9 for rec in _records(r))]
+    assert (t["reached"], t["of"]) == (len(reached), len(runs) - 1)
+    assert t["round"].mean == pytest.approx(statistics.mean(reached))
+    out = tmp_path / "rep"
+    assert report_main([str(tmp_path / "runs"), "--out", str(out), "--target", str(first_accuracy - 1e-9)]) == 0
+    assert "1 unreadable" in (out / "report.md").read_text()

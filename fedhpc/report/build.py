@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
 from ..io import atomic_write_json, atomic_write_text, probe_write
-from .plots import plot_groups
+from .plots import LeftOut, left_out_rows, plot_groups
 from .render import Document, fmt_stat, fmt_value, unit_of
 from .runs import Group, Run, find_runs, group_runs, varying_settings
 from .summary import (best_stats, final_stats, metric_names, no_final_value, reference_comparison,
@@ -17,6 +17,18 @@ from .summary import (best_stats, final_stats, metric_names, no_final_value, ref
 
 def _label(group: Group, keys: List[str]) -> str:
     return ", ".join(f"{k}={group.settings[k]}" for k in keys if k in group.settings) or "all runs"
+
+
+def _default_title(roots: List[str]) -> str:
+    """The roots, each once (a folder given twice, with or without a trailing slash, is one), and at
+    most three named: a sweep of many roots would otherwise make a title of a paragraph."""
+    seen, unique = set(), []
+    for root in roots:
+        if os.path.normpath(root) not in seen:
+            seen.add(os.path.normpath(root))
+            unique.append(root)
+    more = f" and {len(unique) - 3} more" if len(unique) > 3 else ""
+    return f"fedhpc report: {', '.join(unique[:3])}{more}"
 
 
 def _check_out_dir(out_dir: str) -> None:
@@ -70,7 +82,7 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
         if target is not None:
             summaries[-1]["target"] = time_to_target(g, target)
 
-    doc = Document(title or f"fedhpc report: {', '.join(roots)}")
+    doc = Document(title or _default_title(roots))
     n_fin = sum(len(g.runs) for g in groups)
     excluded = [r for r in runs if r.state.status != "finished" or r.config is None]
     repeated = [{"path": r.path, "status": f"duplicate of {kept.path} (same settings, seed and metrics)"}
@@ -79,6 +91,7 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
              f"in their seed); {len(excluded) + len(not_started) + len(repeated)} not averaged in, "
              f"{len(skipped)} skipped as unreadable (listed at the end). "
              f"Mean ± sample standard deviation over seeds; accuracies in %, bytes in MiB.")
+    left_out_of_plots: List[Dict[str, Any]] = []
     if groups:
         doc.heading("Results")
         doc.table(_main_table(summaries, keys, names, target))
@@ -94,11 +107,18 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
         doc.heading("All metrics at the final round")
         doc.table([["metric"] + [f"#{s['row']}" for s in summaries]] +
                   [[m + unit_of(m)] + [_over(s["_finals"].get(m), m, s) for s in summaries] for m in names])
-        plots = plot_groups(groups, labels, out_dir)
+        left_out: LeftOut = set()
+        plots = plot_groups(groups, labels, out_dir, left_out)
         if plots:
             doc.heading("Plots")
             for name, path in plots.items():
                 doc.image(path, name.replace("_", " "))
+        left_out_of_plots = left_out_rows(left_out)
+        if left_out_of_plots:
+            doc.para("Records left out of the plots (the field holds something other than a finite number; "
+                     "the run's other records are plotted):")
+            doc.table([["run", "field", "holds", "records"]] +
+                      [[r["path"], r["field"], r["holds"], str(r["records"])] for r in left_out_of_plots])
     unusable = [[f"#{s['row']}", m, path, value] for s in summaries for m, missing in s["no_final_value"].items()
                 for path, value in missing]
     if unusable:
@@ -116,9 +136,11 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
     summary = {
         "roots": roots, "groups": [{k: v for k, v in s.items() if not k.startswith("_")} for s in summaries],
         "excluded": [{"path": r.path, "status": r.state.status, "last_round": r.state.last_round,
-                      "rounds": r.state.rounds, "exit_code": r.state.exit_code} for r in excluded]
+                      "rounds": r.state.rounds, "exit_code": r.state.exit_code, "problem": r.state.problem}
+                     for r in excluded]
                     + not_started + repeated,
         "skipped": skipped,
+        "left_out_of_plots": left_out_of_plots,
     }
     for s in summary["groups"]:
         if s["target"]:
@@ -164,7 +186,9 @@ def _main_table(summaries, keys: List[str], names: List[str], target: Optional[f
             row.append(fmt_stat(f.get("sim_seconds_total"), "sim_seconds_total"))
         if target is not None:
             t = s["target"]
-            row.append((fmt_stat(t["round"], "round") if t["round"] else "never") + f" ({t['reached']}/{t['of']})")
+            unreadable = f", {len(t['unreadable'])} unreadable" if t["unreadable"] else ""
+            row.append((fmt_stat(t["round"], "round") if t["round"] else "never") +
+                       f" ({t['reached']}/{t['of']}{unreadable})")
         if refs:
             c = s["comparison"]
             if c:

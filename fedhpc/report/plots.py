@@ -6,12 +6,15 @@ is the mean over seeds too (with partial participation they differ slightly per 
 Time is the simulated clock (sim_seconds_total, channel models) where every run has one,
 otherwise wall-clock seconds estimated from round_seconds: metrics.jsonl holds only evaluated
 rounds, so each logged round_seconds stands for the rounds since the previous evaluation.
+A record whose round, plotted metric or x-axis field holds something other than a finite number
+(a hand edit, another tool's file) is left out of that plot, and the report names the run and field.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -20,6 +23,8 @@ from .runs import Group
 from .summary import _numeric
 
 XAxis = Callable[[List[dict]], List[float]]
+#: (run path, field, the value as JSON, record index): a record left out of a plot
+LeftOut = Set[Tuple[str, str, str, int]]
 
 
 def _rounds(records: List[dict]) -> List[float]:
@@ -43,11 +48,31 @@ def _wall_seconds(records: List[dict]) -> List[float]:
     return out
 
 
-def curve(group: Group, metric: str, x: XAxis) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(x mean, metric mean, metric std) over the group's runs at the rounds all of them evaluated."""
+# The fields each x axis reads besides "round"; the optional ones count as 0 when absent.
+_X_FIELDS = {_mib: ("bytes_up_total", "bytes_down_total"), _sim_seconds: ("sim_seconds_total",),
+             _wall_seconds: ("round_seconds",)}
+
+
+def _usable(field: str, value: Any) -> bool:
+    # a round is also a key shared between the seeds: a whole number
+    return _numeric(value) and (field != "round" or float(value).is_integer())
+
+
+def curve(group: Group, metric: str, x: XAxis, left_out: Optional[LeftOut] = None
+          ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(x mean, metric mean, metric std) over the group's runs at the rounds all of them evaluated.
+
+    Records lacking the metric are not plotted; those whose round, metric or x field holds something
+    other than a finite number are left out too, and added to ``left_out`` when it is given."""
     per_run = []
     for r in group.runs:
-        recs = [rec for rec in r.records if _numeric(rec.get(metric))]  # a NaN would blank the mean
+        recs = []
+        for i, rec in enumerate(r.records):
+            bad = [k for k in ("round", metric) + _X_FIELDS.get(x, ()) if k in rec and not _usable(k, rec[k])]
+            if bad and left_out is not None:
+                left_out.update((r.path, k, json.dumps(rec[k], default=str), i) for k in bad)
+            if not bad and metric in rec:
+                recs.append(rec)
         per_run.append({int(rec["round"]): (xv, float(rec[metric])) for rec, xv in zip(recs, x(recs))})
     common = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
     if not common:
@@ -62,8 +87,25 @@ def _save(fig, path: str) -> None:
     atomic_write_bytes(path, lambda f: fig.savefig(f, format="png"))
 
 
-def plot_groups(groups: List[Group], labels: List[str], out_dir: str) -> Dict[str, str]:
-    """Write the plots into ``out_dir``; returns {name: file name}. Empty if matplotlib is missing."""
+def left_out_rows(left_out: LeftOut) -> List[Dict[str, Any]]:
+    """One row per run and field left out of the plots: what it held (three values at most) and in
+    how many records."""
+    rows: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    for path, field, value, _ in sorted(left_out):
+        row = rows.setdefault((path, field), {"path": path, "field": field, "holds": [], "records": 0})
+        if value not in row["holds"]:
+            row["holds"].append(value)
+        row["records"] += 1
+    for row in rows.values():
+        more = len(row["holds"]) - 3
+        row["holds"] = ", ".join(row["holds"][:3]) + (f" and {more} more" if more > 0 else "")
+    return list(rows.values())
+
+
+def plot_groups(groups: List[Group], labels: List[str], out_dir: str,
+                left_out: Optional[LeftOut] = None) -> Dict[str, str]:
+    """Write the plots into ``out_dir``; returns {name: file name}. Empty if matplotlib is missing.
+    Records left out of a plot (see :func:`curve`) are added to ``left_out`` when it is given."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -84,7 +126,7 @@ def plot_groups(groups: List[Group], labels: List[str], out_dir: str) -> Dict[st
         fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
         drawn = False
         for g, label in zip(groups, labels):
-            c = curve(g, metric, x)
+            c = curve(g, metric, x, left_out)
             if c is None:
                 continue
             xs, mean, std = c

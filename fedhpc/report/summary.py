@@ -112,17 +112,26 @@ def best_stats(group: Group, names: List[str]) -> Dict[str, Stat]:
 
 
 def time_to_target(group: Group, target: float, metric: str = "test_accuracy") -> Dict[str, Any]:
-    """Round, cumulative bytes (up + down) and simulated seconds at which ``metric`` first reaches ``target``."""
-    rounds, bytes_, sims = [], [], []
+    """Round, cumulative bytes (up + down) and simulated seconds at which ``metric`` first reaches ``target``.
+
+    A run whose first record at the target has no whole-number round (a hand-edited file) is
+    listed under ``unreadable`` and left out of the statistics: taking its next readable record
+    instead would report a later round than the run reached it in."""
+    rounds, bytes_, sims, unreadable = [], [], [], []
     for r in group.runs:
         hit = next((rec for rec in r.records if _numeric(rec.get(metric)) and rec[metric] >= target), None)
         if hit is None:
             continue
+        if not (_numeric(hit.get("round")) and float(hit["round"]).is_integer()):
+            unreadable.append(r.path)
+            continue
         rounds.append(float(hit["round"]))
-        bytes_.append(float(hit.get("bytes_up_total", 0.0)) + float(hit.get("bytes_down_total", 0.0)))
+        traffic = [hit.get(k, 0.0) for k in ("bytes_up_total", "bytes_down_total")]
+        if all(_numeric(v) for v in traffic):
+            bytes_.append(float(sum(traffic)))
         if _numeric(hit.get("sim_seconds_total")):
             sims.append(float(hit["sim_seconds_total"]))
-    return {"reached": len(rounds), "of": len(group.runs),
+    return {"reached": len(rounds), "of": len(group.runs) - len(unreadable), "unreadable": unreadable,
             "round": Stat(rounds) if rounds else None, "bytes": Stat(bytes_) if bytes_ else None,
             "sim_seconds": Stat(sims) if sims else None}
 
