@@ -64,6 +64,14 @@ class FlatModel:
         """Views of ``vector`` aligned with ``model.parameters()``."""
         return [vector[e.offset: e.offset + e.numel].view(e.shape) for e in self.entries if e.is_param]
 
+    def param_mask(self) -> torch.Tensor:
+        """Boolean mask over the flat vector: True on parameters, False on buffers (BN statistics)."""
+        m = torch.zeros(self.numel, dtype=torch.bool, device=self.flat.device)
+        for e in self.entries:
+            if e.is_param:
+                m[e.offset: e.offset + e.numel] = True
+        return m
+
     def mask(self, names) -> torch.Tensor:
         """Boolean mask over the flat vector selecting the entries whose name starts with any of ``names``."""
         m = torch.zeros(self.numel, dtype=torch.bool, device=self.flat.device)

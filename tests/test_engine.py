@@ -76,6 +76,38 @@ def test_fedavg_aggregate_is_weighted_mean_of_client_models():
     assert torch.allclose(eng.global_state.double(), expected, atol=1e-6)
 
 
+def test_fedavgm_steps_the_parameters_and_averages_batchnorm_statistics():
+    """FedAvgM's server step, two rounds by hand: v <- beta v + (g - avg), g <- g - eta v on the
+    parameters; BatchNorm's running statistics take the clients' plain average (a step past it
+    took the running variance below zero and the test loss to NaN)."""
+    eta, beta = 1.5, 0.9
+    eng = make_engine({"server_lr": eta, "server_momentum": beta}, model="cnn", num_clients=4,
+                      clients_per_round=2, rounds=2, seed=2, model_options={"norm": "batch", "width": 4})
+    names = {e.name: e for e in eng.flat.entries}
+    assert any(n.endswith("running_var") for n in names)
+    param = torch.zeros(eng.flat.numel, dtype=torch.bool)
+    for e in eng.flat.entries:
+        param[e.offset:e.offset + e.numel] = e.is_param
+    gen = torch.Generator().manual_seed(0)
+    g = eng.global_state.double()
+    v = torch.zeros_like(g)
+    for t in range(2):
+        # averages whose running variances the step would push below zero
+        avg = g + 0.5 * torch.randn(g.shape, dtype=torch.float64, generator=gen)
+        for e in eng.flat.entries:
+            if e.name.endswith("running_var"):
+                avg[e.offset:e.offset + e.numel] = 0.05
+        weight = 7.0
+        new = eng.algo.aggregate(g, {"params": avg * weight}, weight, None)
+        v = beta * v + (g - avg)
+        expected = torch.where(param, g - eta * v, avg)
+        assert torch.allclose(new.double(), expected, atol=1e-12, rtol=0)
+        g = new.double()
+    for e in eng.flat.entries:
+        if e.name.endswith("running_var"):
+            assert bool((g[e.offset:e.offset + e.numel] > 0).all())
+
+
 def test_fedprox_mu_zero_equals_fedavg_and_mu_positive_differs():
     common = dict(num_clients=6, clients_per_round=3, rounds=3, seed=11, lr=0.1, local_epochs=2)
     fedavg = make_engine(algo="fedavg", **common); fedavg.run()

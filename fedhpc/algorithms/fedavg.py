@@ -2,7 +2,10 @@
 
 All behaviour is the base class's: w <- sum_k n_k w_k / sum_k n_k over the clients
 that reported this round. Optional server learning rate / momentum (FedAvgM) are
-exposed because several of the papers' baselines use them.
+exposed because several of the papers' baselines use them. They step the parameters
+only: BatchNorm's running statistics are not a model being optimised, and a step
+past the clients' average can take a running variance below zero (a NaN test loss),
+so buffers always take the plain average.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class FedAvg(Algorithm):
     def setup(self):
         self.options = self.options or FedAvgOptions()
         self.server_velocity = None
+        self.is_param = self.flat.param_mask()
 
     def aggregate(self, global_state, totals, weight_total, rnd):
         average = super().aggregate(global_state, totals, weight_total, rnd)
@@ -59,7 +63,8 @@ class FedAvg(Algorithm):
                 self.server_velocity = torch.zeros_like(delta)
             self.server_velocity.mul_(o.server_momentum).add_(delta)
             delta = self.server_velocity
-        return global_state - o.server_lr * delta
+        stepped = global_state - o.server_lr * delta
+        return torch.where(self.is_param, stepped, average)  # buffers: the plain average
 
     def state_dict(self):
         return {"server_velocity": self.server_velocity}
