@@ -41,23 +41,31 @@ class Evaluation:
         self.model.eval()
         # The test set is cut into eval batches once, the same for any number of ranks, and each
         # rank takes a contiguous run of whole batches: every sample then meets the same batch
-        # (a matmul's float32 rounding depends on the batch's size), so with float64 sums the
-        # loss and accuracy do not depend on the rank count.
+        # (a matmul's float32 rounding depends on the batch's size), so each batch's sums are the
+        # same for any rank count. Counts add up exactly; the loss of each batch has its own slot
+        # (one nonzero term each in the all-reduce) and the batches' losses are added exactly
+        # (fsum): a float64 sum in rank order would move the test loss's last bits with the rank
+        # count, as losses from 1e-9 to 10 do not add exactly.
         n, batch = self.data.num_test(), self.cfg.eval_batch_size
         batches = -(-n // batch)
         first, last = batches * self.world.rank // self.world.size, batches * (self.world.rank + 1) // self.world.size
         per_label = self.cfg.per_label_accuracy
         classes = self.data.num_classes
-        sums = torch.zeros(3 + (2 * classes if per_label else 0), dtype=torch.float64, device=self.world.device)
+        width = 3 + (2 * classes if per_label else 0)
+        sums = torch.zeros(width + batches, dtype=torch.float64, device=self.world.device)
         for b in range(first, last):
             x, y = self.data.test_slice(b * batch, min((b + 1) * batch, n))
-            sums += self._eval_sums(x, y, per_label)
+            part = self._eval_sums(x, y, per_label)
+            sums[width + b] = part[0]
+            part[0] = 0.0
+            sums[:width] += part
         self.world.all_reduce_sum_(sums)
+        sums = sums.cpu()
         count = max(float(sums[2]), 1.0)
-        out = {"test_loss": float(sums[0]) / count, "test_accuracy": float(sums[1]) / count}
+        out = {"test_loss": math.fsum(sums[width:].tolist()) / count, "test_accuracy": float(sums[1]) / count}
         if per_label:
             # one label's accuracy on the global test set (XorMixFL's Fig. 3 / Table 4 report the target label's)
-            correct, seen = sums[3:3 + classes].cpu(), sums[3 + classes:].cpu()
+            correct, seen = sums[3:3 + classes], sums[3 + classes:width]
             for c in range(classes):
                 if seen[c] > 0:
                     out[f"test_accuracy_label{c}"] = float(correct[c] / seen[c])
@@ -68,8 +76,7 @@ class Evaluation:
         x, y = x.to(self.world.device), y.to(self.world.device)
         logits = self.model(self.data.transform(x, False, None))
         hit = logits.argmax(-1) == y
-        # Each sample's float32 loss is summed in float64, where such sums are exact, so the
-        # order in which batches and ranks add up does not move the test loss.
+        # each sample's float32 loss, summed in float64 in one fixed order per batch
         losses = task_loss(logits, y, reduction="none").double()
         sums = torch.stack([losses.sum(), hit.sum().double(),
                             torch.tensor(float(y.numel())).to(logits.device, torch.float64)])

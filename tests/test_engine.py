@@ -280,7 +280,8 @@ class ShardWorld:
 def test_the_test_sums_do_not_depend_on_the_number_of_ranks(size):
     """Each rank evaluates its shard of the global test set: the shards' sums must add up to one
     rank's sums exactly (with float32 sums per batch over rank-cut batches, the test loss moved
-    in the 7th digit between 1 and 2 ranks)."""
+    in the 7th digit between 1 and 2 ranks; with one float64 loss sum per rank, in its last bits).
+    The sums are (loss, correct, count, per label correct and count), then each batch's loss."""
     eng = make_engine(num_clients=4, clients_per_round=2, rounds=1, seed=5, eval_batch_size=40,
                       per_label_accuracy=True)
     eng.run()
@@ -294,13 +295,19 @@ def test_the_test_sums_do_not_depend_on_the_number_of_ranks(size):
     whole = sums(0, 1)
     assert torch.equal(sum(sums(r, size) for r in range(size)), whole)
     assert whole[2] == eng.data.num_test()
+    width, batches = 3 + 2 * eng.data.num_classes, -(-eng.data.num_test() // 40)
+    assert whole.numel() == width + batches and whole[0] == 0  # the loss is in the batches' slots
+    eng.world = ShardWorld(0, 1)
+    with torch.no_grad():
+        logged = eng._evaluate_global(eng.global_state)["test_loss"]
+    assert logged * eng.data.num_test() == pytest.approx(float(whole[width:].sum()), rel=1e-12)
     eng.flat.load_(eng.global_state)
     eng.model.eval()
     x, y = eng.data.test_slice(0, eng.data.num_test())
     with torch.no_grad():  # independent: every sample's loss in float64, in one sum
         each = torch.nn.functional.cross_entropy(eng.model(eng.data.transform(x, False, None)).double(), y,
                                                  reduction="none")
-    assert float(whole[0]) == pytest.approx(float(each.sum()), rel=1e-6)
+    assert float(whole[width:].sum()) == pytest.approx(float(each.sum()), rel=1e-6)
 
 
 def test_full_participation_with_cold_start_clients_samples_every_training_client():
