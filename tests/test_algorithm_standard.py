@@ -128,10 +128,12 @@ def two_rank_results(tmp_path_factory):
 def test_one_and_two_ranks_give_the_same_model(algo, model, two_rank_results):
     eng, final, states = run_case(algo_argv(algo, model), World(threads=1))
     two = torch.load(two_rank_results / f"{algo}-{model}.pt", weights_only=False)
-    # Bit for bit, not within a tolerance: clients train the same on any rank, uploads add up in
-    # float64 (exactly where Upload.bound says so) before the float32 model is rounded, and
-    # losses are summed per client and per test batch. A rank-dependent step (a last-bit
-    # test loss, a float64 table) fails here, where a tolerance would let it grow unseen.
+    # Bit for bit, not within a tolerance: clients train the same on any rank, losses are summed
+    # per client and per test batch, bounded uploads exactly (Upload.bound), and weights in
+    # float64 before the float32 model is rounded (a float64 sum in another order moves a
+    # float32 weight only if it lies within its last bit of a rounding boundary, about 2**-29
+    # per weight and round: none of these small models does). A rank-dependent step (a
+    # last-bit test loss, a float64 table) fails here, where a tolerance would hide it.
     diff = float((eng.global_state.double() - two["global_state"].double()).abs().max())
     assert diff == 0, f"{algo} with {model}: 1 vs 2 ranks differ by {diff:.2e}"
     assert_states_equal(states, two["states"])
