@@ -9,8 +9,11 @@ import pytest
 
 from conftest import BIN, FAST, REPO, clean_env, final_weights, free_port, launch, max_diff
 
-# float64 accumulation makes sums almost order-independent; allow for float32 rounding.
-TOL = 1e-5
+# Bit for bit on the CPU (see test_algorithm_standard's test (b) for what that rests on).
+TOL = 0.0
+# Ranks sharing a GPU: measured equal too (benchmarks/RESULTS.md); the tolerance is kept until
+# a GPU session runs it at 0.
+GPU_TOL = 1e-5
 ARGS = FAST + ["--partition", "dirichlet:0.5", "--seed", "3", "--model", "cnn"]
 
 
@@ -222,7 +225,7 @@ def test_two_ranks_sharing_one_gpu_match_one_rank(tmp_path):
                        env=clean_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "collectives over gloo" in p.stderr
-    assert max_diff(final_weights(one), final_weights(shared)) <= TOL
+    assert max_diff(final_weights(one), final_weights(shared)) <= GPU_TOL
     refused = subprocess.run([*torchrun[:-1], str(free_port()), "-m", "fedhpc.launch", *ARGS, "--device", "cuda",
                               "--collective-backend", "nccl", "--out", str(tmp_path / "refused")], cwd=REPO,
                              env=clean_env(), capture_output=True, text=True, timeout=300)
