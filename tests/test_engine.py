@@ -379,3 +379,30 @@ def test_a_gpu_run_equals_the_cpu_run(algo, options, model):
     diff = float((runs["cpu"] - runs["cuda"]).abs().max())
     assert diff <= 1e-4, diff
     assert float((runs["cpu"] - start).abs().max()) > 1e-2  # the runs trained
+
+
+def test_the_training_loss_is_summed_per_client_in_client_order():
+    """Each sampled client's loss sum has its own slot of the round's buffer (one nonzero term per
+    slot in the all-reduce, whatever the rank count) and the round's train_loss is their exact
+    sum (fsum) over the samples: a running float64 sum per rank would move its last bits with
+    the rank count."""
+    import math
+
+    from fedhpc.algorithms import ClientContext, RoundInfo
+
+    eng = make_engine(num_clients=6, clients_per_round=4, rounds=1, seed=4, lr=0.1)
+    start = eng.global_state.clone()
+    metrics = eng.run_round(0)
+    slots = eng.round_buffer[eng.loss_offset:eng.loss_offset + 4].tolist()
+    samples = float(eng.round_buffer[eng._slot("samples")])
+    assert metrics["train_loss"] == math.fsum(slots) / samples
+    # independent: each sampled client trained by hand through the algorithm's hook, in order
+    sampled = sample_clients(4, 0, 6, 4)
+    rnd = RoundInfo(0, sampled, sampled, 0.1)
+    eng.algo.global_state = start
+    for position, cid in enumerate(sampled):
+        torch.manual_seed(derive_seed(4, "client", 0, cid))
+        eng.flat.load_(start)
+        ctx = ClientContext(eng.algo, cid, eng.data.client(cid), rnd)
+        eng.algo.local_update(eng.model, ctx)
+        assert slots[position] == float(ctx.loss_sum), position
