@@ -86,6 +86,7 @@ class ClientStateStore:
         self._mem_bytes = 0
         self._spilled: set = set()
         self.spills = 0
+        self._closed = False
 
     # ---------------------------------------------------------------- local access
     def get(self, cid: int) -> Optional[Any]:
@@ -93,7 +94,7 @@ class ClientStateStore:
             self._mem.move_to_end(cid)
             return self._mem[cid]
         if cid in self._spilled:
-            state = torch.load(self._spill_path(cid), weights_only=False)
+            state = self._read_spilled(cid)
             self._drop_spilled(cid)
             self._insert(cid, state)
             return state
@@ -126,7 +127,7 @@ class ClientStateStore:
             self._mem_bytes -= state_nbytes(state)
             return state
         if cid in self._spilled:
-            state = torch.load(self._spill_path(cid), weights_only=False)
+            state = self._read_spilled(cid)
             self._drop_spilled(cid)
             return state
         return None
@@ -137,8 +138,7 @@ class ClientStateStore:
     def items(self) -> Iterator[Tuple[int, Any]]:
         """All states this rank holds, one at a time (spilled ones are read, not re-cached)."""
         for cid in self.held():
-            yield cid, (self._mem[cid] if cid in self._mem else
-                        torch.load(self._spill_path(cid), weights_only=False))
+            yield cid, (self._mem[cid] if cid in self._mem else self._read_spilled(cid))
 
     @property
     def memory_bytes(self) -> int:
@@ -157,6 +157,15 @@ class ClientStateStore:
             torch.save(s, self._spill_path(old))
             self._spilled.add(old)
             self.spills += 1
+
+    def _read_spilled(self, cid: int) -> Any:
+        if self._closed:
+            # spill files are scratch, removed when the run ends (close): say so, not FileNotFoundError
+            raise RuntimeError(
+                f"client {cid}'s state was spilled to disk and deleted when the run ended; read client "
+                f"states before Engine.run() returns, from the checkpoint a run with --out writes after its "
+                f"last round, or keep them in memory with a larger --client-state-budget-mb")
+        return torch.load(self._spill_path(cid), weights_only=False)
 
     def _spill_path(self, cid: int) -> str:
         return os.path.join(self.spill_dir, f"{cid}.pt")
@@ -243,6 +252,8 @@ class ClientStateStore:
             self.location.update({c: r for c in cids})
 
     def close(self) -> None:
+        """Delete the spill files; states held in memory stay readable."""
+        self._closed = True
         shutil.rmtree(self.spill_dir, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(self.spill_dir))  # the shared parent, once every rank is done

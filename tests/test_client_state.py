@@ -54,6 +54,19 @@ def test_store_spills_beyond_budget_and_reads_back(tmp_path):
     assert store.get(99) is None
 
 
+def test_spilled_states_read_after_the_run_ended_say_where_they_went(tmp_path):
+    store = ClientStateStore(World(threads=1), budget_bytes=3 * 4000, spill_dir=str(tmp_path))
+    for cid in range(5):
+        store.put(cid, {"w": torch.full((1000,), float(cid))})
+    store.close()  # what Engine.run() does on its way out
+    assert not (tmp_path / "rank0").exists()
+    assert torch.equal(store.get(4)["w"], torch.full((1000,), 4.0))  # held in memory: still there
+    with pytest.raises(RuntimeError, match="deleted when the run ended.*checkpoint.*--client-state-budget-mb"):
+        dict(store.items())
+    with pytest.raises(RuntimeError, match="client 0's state was spilled"):
+        store.get(0)
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_state_follows_clients_across_ranks(tmp_path, ranks):
     states, spills = run_probe(str(tmp_path), ranks, ["--rounds", "6"])
