@@ -51,6 +51,22 @@ def test_a_round_whose_uploads_all_fail_keeps_the_global_model():
     assert "relative_change" not in m  # nothing arrived: that is not convergence
 
 
+@pytest.mark.parametrize("argv", [["--algo", "fedavg", "--server-momentum", "0.9"],
+                                  ["--algo", "fld", "--server-steps", "3", "--seeds-per-device", "4"]])
+def test_a_round_after_one_that_arrived_keeps_the_model_when_nothing_arrives(argv):
+    """Server state from an earlier round (FedAvgM's velocity, FLD's last G_out) must not move the
+    model in a round whose uploads were all lost: before, momentum stepped it again and FLD ran
+    K_s more server steps on the old table."""
+    eng = engine(*argv)
+    start = eng.global_state.clone()
+    eng.run_round(0)
+    assert not torch.equal(eng.global_state, start)
+    totals = {name: torch.zeros(spec.numel, dtype=torch.float64) for name, (_, spec) in eng.uploads.items()}
+    rnd = RoundInfo(1, [], [], 0.1)
+    kept = eng.algo.aggregate(eng.global_state, totals, 0.0, rnd)
+    assert torch.equal(kept, eng.global_state)
+
+
 def test_a_downlink_outage_leaves_the_device_on_its_own_model():
     """Round 1: uplinks get through, every downlink fails, so each device keeps its local model;
     round 2 must train each sampled device from that model, not from the new global one."""

@@ -52,8 +52,10 @@ class FedAvg(Algorithm):
         self.is_param = self.flat.param_mask()
 
     def aggregate(self, global_state, totals, weight_total, rnd):
-        average = super().aggregate(global_state, totals, weight_total, rnd)
         o = self.options
+        if weight_total <= 0:  # nothing arrived: no server step either (momentum would still move it)
+            return global_state
+        average = super().aggregate(global_state, totals, weight_total, rnd)
         if o.server_lr == 1.0 and o.server_momentum == 0.0:
             return average
         # Treat (global - average) as a pseudo-gradient, as FedAvgM / FedOpt do.

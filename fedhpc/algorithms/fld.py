@@ -24,7 +24,9 @@ output are left out (renormalised), and a seed with none distils nothing.
 Readings: seeds are collected once, from every device, before the first round's
 training (Alg. 1, p = 1), in model-input space; their bytes (8-bit pixels) are booked
 on each device's first upload, so the channel model sees the larger round-1 payload.
-Until a table has arrived the server keeps the global model as it is.
+Until a table has arrived, and in a round in which no device's table arrived (all
+uplinks lost), the server keeps the global model as it is: it has nothing new to convert,
+and K_s more steps on the old table would be training Alg. 1 does not do.
 """
 
 from __future__ import annotations
@@ -160,9 +162,10 @@ class FLD(Algorithm):
     # ---------------------------------------------------------------- server: output-to-model conversion
     def aggregate(self, global_state, totals, weight_total, rnd):
         g = label_outputs.global_outputs(totals, self.num_classes)
-        if g is not None:
-            self.teacher = g
-        if self.teacher is None or self.options.server_steps == 0:
+        if g is None:
+            return global_state
+        self.teacher = g
+        if self.options.server_steps == 0:
             return global_state
         o, s = self.options, self.server_set
         teacher, has = seed_teacher(s.y, *self.teacher)
