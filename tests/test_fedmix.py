@@ -391,3 +391,29 @@ def test_fedmix_two_mpi_ranks_match_one_process(tmp_path):
         for k in ("bytes_up_mean_data", "bytes_down_mean_data", "bytes_up_parameters"):
             assert a[k] == b[k], k
     assert rows[1][0]["bytes_up_mean_data"] > 0 and rows[1][1]["bytes_up_mean_data"] == 0
+
+
+@pytest.mark.parametrize("norm", ["batch", "none"])
+def test_fedmix_with_a_batchnorm_model_warns_that_it_can_diverge(norm, recwarn, capsys):
+    import warnings
+
+    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+    from fedhpc.config import RunConfig, build_options
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    load_algorithm_modules()
+    cfg = RunConfig(algo="fedmix", dataset="digits", num_clients=4, clients_per_round=2, rounds=1,
+                    model="cnn", model_options={"norm": norm, "width": 4}, quiet=True, tensorboard=False,
+                    threads=1, algo_options={"lam": 0.5})
+    cfg.validate()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Engine(cfg, build_options(ALGORITHMS.get("fedmix").Options, {"lam": 0.5}, "fedmix"), None,
+               World("cpu", threads=1))
+    said = [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
+    if norm == "batch":
+        assert len(said) == 1 and "unbounded below" in said[0] and "--lam (now 0.5)" in said[0]
+        assert "warning: FedMix with a BatchNorm model can diverge" in capsys.readouterr().err
+    else:
+        assert not said

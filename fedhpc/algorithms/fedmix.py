@@ -20,7 +20,11 @@ and CIFAR-100 0.1 (launch/fedmix_*.yaml).
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass, field
+
+from torch import nn
 
 from . import register_algorithm
 from .mixing import batched_fedmix_loss, fedmix_loss
@@ -40,6 +44,19 @@ class FedMix(NaiveMix):
     Options = FedMixOptions
     #: its own opt-in: mix_loss differs from NaiveMix's, so batched_mix_loss must too
     batchable = True
+
+    def setup(self):
+        super().setup()
+        if self.comm.rank == 0 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
+            # l3 is linear in dL/dx; BatchNorm lets the weights before it scale that gradient
+            # up without changing any output, so l3 is unbounded below (the paper drops BN)
+            msg = (f"FedMix with a BatchNorm model can diverge: Eq. 5's l3 term is unbounded below when "
+                   f"BatchNorm lets the input gradient grow (on digits, --lam 0.5 ended near 10% accuracy "
+                   f"and 0.9 in a NaN loss by round 2; 0.05 and 0.2 trained well). The FedMix paper's models "
+                   f"have no BatchNorm; use one without (e.g. --model-opt norm=none where the model has "
+                   f"it) or a small --lam (now {self.options.lam:g})")
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            print(f"warning: {msg}", file=sys.stderr, flush=True)
 
     def mix_loss(self, f, x, y, xbar, ybar, lam):
         return fedmix_loss(f, x, y, xbar, ybar, lam)
