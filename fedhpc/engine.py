@@ -28,6 +28,7 @@ from .evaluation import Evaluation
 from .flat import FlatModel
 from .io import atomic_torch_save
 from .models import build_model
+from .models.shapes import check_single_sample_batches
 from .run_log import RunLog
 from .world import World, exact_sum_step
 
@@ -110,6 +111,10 @@ class Engine(Evaluation, RunLog):
         self.client_state = ClientStateStore(world, int(cfg.client_state_budget_mb * 2**20), spill)
         self.algo = algo_cls(cfg, algo_options, self.model, self.flat, self.data, world, self.client_state)
         self.algo.setup()
+        check_single_sample_batches(
+            self.model, model_name, [(c, int(self.sizes[c])) for c in self.training_clients], cfg.batch_size,
+            lambda cid: self.data.transform(self.data.client(cid).x[:1], False, None).to(world.device),
+            self.algo.probe_forward)
         if cfg.clients_at_once > 1:  # refuse what the batched path cannot train exactly, before any round
             from .batched import check_batchable
             check_batchable(self.algo, self.model, cfg)

@@ -270,3 +270,31 @@ def test_save_client_models_past_rounds_is_refused_naming_round_rounds_and_fix(t
     assert "round(s) 2 but --rounds is 1" in err and "use rounds <= 1 or 'last'" in err
     # the check is against this invocation's --rounds: a run extended to more rounds may name later ones
     assert parse_args(["--rounds", "30", "--save-client-models", "5,30,last", "--out", "x"])[0].rounds == 30
+
+
+# --------------------------------------------------------------------------- 12. a batch BatchNorm cannot train on
+
+SINGLE = ["--rounds", "1", "--num-clients", "4", "--clients-per-round", "2", "--partition", "iid",
+          "--quiet", "--threads", "1", "--no-tensorboard"]  # 288 training samples per client
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "mobilenet"],                                           # 1x1 before its last BatchNorm on 8x8
+    ["--algo", "gradaug", "--model", "resnet_digits", "--scales", "0.5"],  # only its 4x4 sub-network does
+])
+def test_a_single_sample_batch_batchnorm_cannot_train_on_is_refused_before_any_round(argv, capsys, tmp_path):
+    err = refused(SINGLE + argv + ["--batch-size", "287"], capsys, tmp_path)
+    assert "client 0 has 288 training samples, so its last batch of --batch-size 287 holds one sample" in err
+    assert "(4 client(s) have such a batch)" in err and "e.g. --batch-size 288" in err
+    # without the check the run would start, and stop in the round that samples such a client
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+    cfg, ao, do = parse_args(SINGLE + argv + ["--batch-size", "287"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("fedhpc.engine.check_single_sample_batches", lambda *a, **k: None)
+        eng = Engine(cfg, ao, do, World(threads=1))
+        with pytest.raises(Exception, match="Expected more than 1 value per channel"):
+            eng.run_round(0)
+    # a batch size that leaves no client a lone sample, or a model that never reaches 1x1, is fine
+    assert main(SINGLE + argv + ["--batch-size", "288"]) == 0
+    assert main(SINGLE + ["--model", "cnn", "--model-opt", "norm=batch", "--batch-size", "287"]) == 0

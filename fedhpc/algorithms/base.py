@@ -258,6 +258,12 @@ class Algorithm:
                 opt.step()
                 ctx.record(loss, y.shape[0])
 
+    def probe_forward(self, model: nn.Module, x: torch.Tensor) -> None:
+        """Every forward local training runs on a batch ``x``; the engine calls it once before the
+        first round on a one-sample batch to refuse a model whose BatchNorm cannot train on it.
+        Methods with extra forwards (slimmed or resized sub-networks) run those too."""
+        model(x)
+
     def client_weight(self, ctx: ClientContext) -> float:
         """Aggregation weight p_k (unnormalised): the client's number of training samples."""
         return float(ctx.num_train)

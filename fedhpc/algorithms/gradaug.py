@@ -70,6 +70,10 @@ class GradAug(LocalRegAlgorithm):
                               "drop --model-opt projection_dim")
         self.scales = parse_scales(self.options.scales)
 
+    def probe_forward(self, model, x):
+        model(x)  # and the smallest sub-network: narrowest width at the lowest resolution
+        model.forward_width(resize(x, min(self.scales)), self.options.min_width)
+
     def loss(self, model, x, y, ctx):
         o = self.options
         gen = ctx.extra.setdefault("gradaug_gen", ctx.generator("gradaug"))

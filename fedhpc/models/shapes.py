@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import copy
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
 
 from ..errors import ConfigError
 
@@ -28,3 +32,40 @@ def require_positive(name: str, size: int, input_shape) -> None:
         raise ConfigError(f"input_shape {tuple(input_shape)} is too small: {name} would be empty; use a model made "
                           f"for small inputs (--model mlp; --model cnn for images of 2x2 or more) or larger inputs "
                           f"(e.g. --data-opt shape=1x28x28 for the synthetic dataset)")
+
+
+def check_single_sample_batches(model: nn.Module, model_name: str, sizes: Sequence[int], batch_size: int,
+                                first_sample: Callable[[int], torch.Tensor],
+                                forward: Callable[[nn.Module, torch.Tensor], object]) -> None:
+    """Refuse, before any round, a run in which a client's last batch holds one sample and the
+    model's BatchNorm then sees one value per channel (a 1x1 feature map: ResNet-18 on 32x32,
+    MobileNet on 8x8). torch raises for that in training mode, so the run would stop in the first
+    round that samples the client, after hours.
+
+    ``sizes``: (client id, training samples) of the clients that train; ``first_sample(cid)``:
+    that client's first input, as training sees it (batch of 1); ``forward(model, x)``: every
+    forward local training runs (the algorithm's :meth:`probe_forward`).
+    """
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    lone = [(cid, n) for cid, n in sizes if n % batch_size == 1]
+    if not lone:
+        return
+    cid, n = lone[0]
+    probe = copy.deepcopy(model).train()  # BatchNorm statistics and the RNG stay as they are
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            forward(probe, first_sample(cid))
+        except ValueError as e:
+            if "Expected more than 1 value per channel" not in str(e):
+                raise
+            counts = [c for _, c in sizes]
+            ok = next((b for b in range(batch_size + 1, 2 * batch_size + 1)
+                       if all(c % b != 1 for c in counts)), None)
+            hint = f" (e.g. --batch-size {ok})" if ok else ""
+            raise ConfigError(
+                f"client {cid} has {n} training samples, so its last batch of --batch-size {batch_size} holds one "
+                f"sample, and model {model_name!r} reaches a BatchNorm with a 1x1 feature map: one value per "
+                f"channel, which BatchNorm cannot train on ({len(lone)} client(s) have such a batch). Use a "
+                f"--batch-size that leaves no client a single-sample batch{hint}, a model made for inputs of "
+                f"this size, or one without BatchNorm") from None
