@@ -24,8 +24,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 
-from torch import nn
-
+from ..models.shapes import has_batchnorm
 from . import register_algorithm
 from .mixing import batched_fedmix_loss, fedmix_loss
 from .naivemix import NaiveMix, NaiveMixOptions
@@ -47,7 +46,7 @@ class FedMix(NaiveMix):
 
     def setup(self):
         super().setup()
-        if self.comm.rank == 0 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
+        if self.comm.rank == 0 and has_batchnorm(self.model):
             # l3 is linear in dL/dx; BatchNorm lets the weights before it scale that gradient
             # up without changing any output, so l3 is unbounded below (the paper drops BN)
             msg = (f"FedMix with a BatchNorm model can diverge: Eq. 5's l3 term is unbounded below when "

@@ -34,6 +34,10 @@ def require_positive(name: str, size: int, input_shape) -> None:
                           f"(e.g. --data-opt shape=1x28x28 for the synthetic dataset)")
 
 
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def check_single_sample_batches(model: nn.Module, model_name: str, sizes: Sequence[int], batch_size: int,
                                 first_sample: Callable[[int], torch.Tensor],
                                 forward: Callable[[nn.Module, torch.Tensor], object]) -> None:
@@ -46,7 +50,7 @@ def check_single_sample_batches(model: nn.Module, model_name: str, sizes: Sequen
     that client's first input, as training sees it (batch of 1); ``forward(model, x)``: every
     forward local training runs (the algorithm's :meth:`probe_forward`).
     """
-    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+    if not has_batchnorm(model):
         return
     lone = [(cid, n) for cid, n in sizes if n % batch_size == 1]
     if not lone:
