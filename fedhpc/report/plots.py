@@ -20,7 +20,7 @@ import numpy as np
 
 from ..io import atomic_write_bytes
 from .runs import Group
-from .summary import _numeric
+from .summary import _numeric, _readable_round
 
 XAxis = Callable[[List[dict]], List[float]]
 #: (run path, field, the value as JSON, record index): a record left out of a plot
@@ -54,8 +54,7 @@ _X_FIELDS = {_mib: ("bytes_up_total", "bytes_down_total"), _sim_seconds: ("sim_s
 
 
 def _usable(field: str, value: Any) -> bool:
-    # a round is also a key shared between the seeds: a whole number
-    return _numeric(value) and (field != "round" or float(value).is_integer())
+    return _readable_round(value) if field == "round" else _numeric(value)
 
 
 def curve(group: Group, metric: str, x: XAxis, left_out: Optional[LeftOut] = None

@@ -61,6 +61,11 @@ def _numeric(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _readable_round(v: Any) -> bool:
+    """A record's round as seeds share it: a finite whole number."""
+    return _numeric(v) and float(v).is_integer()
+
+
 def metric_names(groups: List[Group]) -> List[str]:
     names = {k for g in groups for r in g.runs for rec in r.records for k, v in rec.items()
              if _numeric(v) and k not in SKIPPED}
@@ -122,7 +127,7 @@ def time_to_target(group: Group, target: float, metric: str = "test_accuracy") -
         hit = next((rec for rec in r.records if _numeric(rec.get(metric)) and rec[metric] >= target), None)
         if hit is None:
             continue
-        if not (_numeric(hit.get("round")) and float(hit["round"]).is_integer()):
+        if not _readable_round(hit.get("round")):
             unreadable.append(r.path)
             continue
         rounds.append(float(hit["round"]))
