@@ -23,7 +23,7 @@ namespace fedhpc {
 namespace {
 
 // Bumped whenever a signature below changes; fedhpc/ops/_loader.py refuses another value.
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 
 // A (rows, ...) tensor the kernels read as (rows, cols): dtype and device of `like`, float32/64.
 void check_rows(const Tensor& t, const char* name, const Tensor& like) {
@@ -215,6 +215,27 @@ Tensor segment_mix(const Tensor& a_, const Tensor& b_, const Tensor& offsets_, c
   return out;
 }
 
+// The deposit of fedhpc.reproducible_sum: CPU tensors only (on a GPU its reference is a
+// handful of kernels over memory fast enough for them).
+void binned_add(const Tensor& terms, double alpha, Tensor bins, Tensor top, Tensor scale, int64_t start) {
+  TORCH_CHECK(terms.device().is_cpu() && bins.device().is_cpu() && top.device().is_cpu() && scale.device().is_cpu(),
+              "fedhpc ops: binned_add runs on CPU tensors only");
+  TORCH_CHECK(terms.dim() == 1 && terms.is_contiguous() &&
+                  (terms.scalar_type() == at::kFloat || terms.scalar_type() == at::kDouble),
+              "fedhpc ops: binned_add terms must be a contiguous 1-D float32 or float64 tensor");
+  TORCH_CHECK(bins.dim() == 2 && bins.size(0) == kBinnedBins && bins.is_contiguous() &&
+                  bins.scalar_type() == at::kDouble,
+              "fedhpc ops: binned_add bins must be a contiguous (", kBinnedBins, ", N) float64 tensor");
+  const int64_t n = bins.size(1);
+  TORCH_CHECK(top.dim() == 1 && top.size(0) == n && top.is_contiguous() && top.scalar_type() == at::kChar,
+              "fedhpc ops: binned_add top must be a contiguous (N,) int8 tensor");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() && scale.scalar_type() == at::kDouble,
+              "fedhpc ops: binned_add scale must be a contiguous (N,) float64 tensor");
+  TORCH_CHECK(start >= 0 && start + terms.numel() <= n, "fedhpc ops: binned_add elements ", start, "..",
+              start + terms.numel() - 1, " are outside 0..", n - 1);
+  binned_add_cpu(terms, alpha, bins, top, scale, start);
+}
+
 }  // namespace
 
 }  // namespace fedhpc
@@ -234,7 +255,7 @@ int64_t parallel_threads() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fedhpc native ops: fused FedMix mixing / l3 and segmented mixup (see fedhpc.ops)";
+  m.doc() = "fedhpc native ops: fused FedMix mixing / l3, segmented mixup, binned sums (see fedhpc.ops)";
   m.attr("abi_version") = fedhpc::kAbiVersion;
   m.attr("sources_hash") = FEDHPC_STR(FEDHPC_SOURCES_HASH);
   m.attr("with_cuda") = fedhpc::with_cuda();
@@ -247,4 +268,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("l3_backward", &fedhpc::l3_backward, "grad_g, grad_xbar of l3_forward");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for used for 64 tasks (1 = built without OpenMP)");
   m.def("segment_mix", &fedhpc::segment_mix, "out = l_seg a + (1 - l_seg) b, in place into out");
+  m.def("binned_add", &fedhpc::binned_add, "fedhpc.reproducible_sum's deposit: alpha * terms into the bins, in place");
 }

@@ -221,6 +221,15 @@ class World:
                 tensor.copy_(t)
         return tensor
 
+    def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of ``tensor`` over all ranks, in place."""
+        if self.size > 1:
+            t = self._host(tensor)
+            self._guard("all_reduce(max)", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+            if t is not tensor:
+                tensor.copy_(t)
+        return tensor
+
     def all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's tensor, in rank order; the first dimension may differ between ranks."""
         if self.size == 1:

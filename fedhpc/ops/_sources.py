@@ -16,7 +16,7 @@ JIT_NAME = "fedhpc_ops_ext"         # the module torch.utils.cpp_extension.load 
 ENV_DISABLE = "FEDHPC_NO_EXT"       # 1: no build at install time, no extension at run time
 ENV_NO_JIT = "FEDHPC_NO_JIT"        # 1: never compile at run time (prebuilt or pure PyTorch only)
 
-CPU_SOURCES = ["ops.cpp", "autograd.cpp", "cpu/mix_cpu.cpp"]
+CPU_SOURCES = ["ops.cpp", "autograd.cpp", "cpu/mix_cpu.cpp", "cpu/binned_cpu.cpp"]
 CUDA_SOURCES = ["cuda/ops_cuda.cpp", "cuda/mix_kernels.cu"]
 HEADERS = ["fedhpc_ops.h", "cuda/mix_kernels.cuh"]
 

@@ -37,7 +37,7 @@ def build():
     build_dir = os.path.join(src.REPO, "build", f"cuda-emulation-torch{torch.__version__}".replace("+", "_"))
     os.makedirs(build_dir, exist_ok=True)
     sources = [os.path.join(HERE, f) for f in ("emulated_ops.cpp", "emulated_ops_cuda.cpp", "emulated_kernels.cpp")]
-    sources += src.paths(["autograd.cpp", "cpu/mix_cpu.cpp"])
+    sources += src.paths(["autograd.cpp", "cpu/mix_cpu.cpp", "cpu/binned_cpu.cpp"])
     # The csrc/ hash among the flags: torch's JIT versions a module by its listed sources, and
     # these include csrc/ files it does not see.
     flags = ["-O2", "-ffp-contract=off", "-fopenmp", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
