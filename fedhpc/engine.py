@@ -30,6 +30,7 @@ from .io import atomic_torch_save
 from .models import build_model
 from .models.shapes import check_single_sample_batches
 from .run_log import RunLog
+from .reproducible_sum import MAX_TERMS, ReproducibleSum, storage_numel
 from .world import World, exact_sum_step
 
 #: exit code after a SIGTERM/SIGUSR1 checkpoint: "temporary failure, run again with --resume"
@@ -128,19 +129,31 @@ class Engine(Evaluation, RunLog):
         self.uses_store = self.algo.uses_client_state or self.channel_active
         self.algo.channel_active = self.channel_active
 
-        # Layout of the one buffer all-reduced per round: the algorithm's uploads, then
-        # metrics, then one training-loss slot per sampled client, then (with a channel) one
-        # row per sampled client, then the ledger.
+        # Layout of the one buffer sum-all-reduced per round: the reproducible sum of the
+        # uploads without a bound, then the uploads with one, then metrics, then one
+        # training-loss slot per sampled client, then (with a channel) one row per sampled
+        # client, then the ledger. Either way an upload's sum has the same bits on any number
+        # of ranks: a bounded one is rounded to a grid on which float64 adds exactly, the others
+        # go through ReproducibleSum (whose alignment is the round's other collective).
+        if cfg.clients_per_round > MAX_TERMS:
+            raise ConfigError(f"--clients-per-round {cfg.clients_per_round} is more than the {MAX_TERMS} "
+                              f"clients a round can sum reproducibly; sample fewer clients per round")
+        #: upload name -> (its elements: of upload_sum, or of the round buffer with a bound; spec)
         self.uploads: Dict[str, Tuple[slice, Upload]] = {}
         self._sum_grid: Dict[str, float] = {}  # upload -> grid step of its exact sum (Upload.bound)
-        offset = 0
-        for name, spec in self.algo.upload_spec().items():
+        specs = self.algo.upload_spec()
+        summed = sum(spec.numel for spec in specs.values() if spec.bound is None)
+        offset, element = storage_numel(summed), 0
+        for name, spec in specs.items():
+            if spec.bound is None:
+                self.uploads[name] = (slice(element, element + spec.numel), spec)
+                element += spec.numel
+                continue
+            if spec.weighted:
+                raise ValueError(f"{cfg.algo}: upload {name!r} has a bound, which only unweighted uploads may have")
             self.uploads[name] = (slice(offset, offset + spec.numel), spec)
             offset += spec.numel
-            if spec.bound is not None:
-                if spec.weighted:
-                    raise ValueError(f"{cfg.algo}: upload {name!r} has a bound, which only unweighted uploads may have")
-                self._sum_grid[name] = exact_sum_step(spec.bound, cfg.clients_per_round)
+            self._sum_grid[name] = exact_sum_step(spec.bound, cfg.clients_per_round)
         self.metric_slots = ["weight", "samples", "nonfinite", "stop", "compute_s", "failed"]
         self.metric_offset = offset
         # one training-loss slot per sampled client: each slot has one nonzero term, so the
@@ -152,9 +165,10 @@ class Engine(Evaluation, RunLog):
         self.link_fields = 5 if self.channel_active else 0
         self.ledger_offset = self.link_offset + self.link_fields * cfg.clients_per_round
         n_ledger = 2 * len(self.algo.ledger_kinds)
-        # float64 so the weighted sums barely depend on summation order, i.e. on the rank count.
         self.round_buffer = torch.zeros(self.ledger_offset + n_ledger, dtype=torch.float64,
                                         device=world.device)
+        self.upload_sum = ReproducibleSum(summed, max(cfg.clients_per_round, 1),
+                                          out=self.round_buffer[:storage_numel(summed)])
         self.reference_device = self.training_clients[derive_seed(cfg.seed, "reference_device") % len(self.training_clients)]
         self.sim_seconds_total = 0.0
         self.start_round = 0
@@ -207,7 +221,9 @@ class Engine(Evaluation, RunLog):
                 if name in self._sum_grid:
                     step = self._sum_grid[name]
                     tensor = torch.round(tensor.to(buf.dtype) / step) * step  # powers of two: exact
-                buf[sl].add_(tensor.reshape(-1), alpha=weight if spec.weighted else 1.0)
+                    buf[sl].add_(tensor.reshape(-1))
+                else:
+                    self.upload_sum.add_(tensor, alpha=weight if spec.weighted else 1.0, start=sl.start)
             buf[self._slot("weight")] += weight
 
     def run_round(self, t: int) -> Dict[str, float]:
@@ -226,6 +242,7 @@ class Engine(Evaluation, RunLog):
         algo.round_begin(rnd)
 
         buf = self.round_buffer
+        self.upload_sum.zero_()  # a view of buf: zeroed with it, plus its digit positions
         buf.zero_()
         nonfinite: List[int] = []
         self.model.train()
@@ -242,7 +259,8 @@ class Engine(Evaluation, RunLog):
         buf[self.ledger_offset:] = algo.ledger.values.to(buf)
 
         world.heartbeat()  # on NCCL runs: a dead peer is reported by gloo, not by NCCL's watchdog
-        world.all_reduce_sum_(buf)  # the round's one collective: weighted sums + metrics
+        self.upload_sum.align_(world)  # the int32 digit positions' maximum over ranks
+        world.all_reduce_sum_(buf)  # the round's sum collective: uploads + metrics
 
         if buf[self._slot("failed")] > 0:
             world.raise_together(failure, f"training round {t + 1}")
@@ -253,7 +271,8 @@ class Engine(Evaluation, RunLog):
                 f"(lr {rnd.lr:g}); lower --lr, add --grad-clip, or check the data. Nothing of this "
                 f"round was kept; the last checkpoint and metrics in --out are intact")
         weight_total = float(buf[self._slot("weight")])
-        totals = {name: buf[sl] for name, (sl, _) in self.uploads.items()}
+        summed = self.upload_sum.sum()
+        totals = {name: buf[sl] if name in self._sum_grid else summed[sl] for name, (sl, _) in self.uploads.items()}
         s0 = time.perf_counter()
         new_state = algo.aggregate(self.global_state, totals, weight_total, rnd)
         server_s = time.perf_counter() - s0

@@ -35,7 +35,7 @@ Readings chosen (each an option, and recorded in the output):
   k = j included, which pulls H_N towards 0 and H_D towards 1).
 
 Work is spread over ranks: the global model's HVPs data-parallel (batch b on rank
-b mod size, float64 sums all-reduced), the clients' diagonals client by client (the
+b mod size, float64 sums that do not depend on the split: fedhpc.reproducible_sum), the clients' diagonals client by client (the
 i-th client on rank i mod size). Random vectors are seeded by (seed, what, client),
 never by rank. Rank 0 writes ``RUN_DIR/hessian.json`` atomically.
 
@@ -50,7 +50,7 @@ import json
 import os
 import re
 import sys
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -58,8 +58,8 @@ from torch import nn
 from ..algorithms.base import derive_seed, task_loss
 from ..errors import CheckpointError, ConfigError, DataError, FedHPCError
 from ..io import atomic_torch_save, atomic_write_json, probe_write
+from ..reproducible_sum import MAX_TERMS, ReproducibleSum
 
-Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
 
 # --------------------------------------------------------------------------- saved client models
@@ -94,13 +94,15 @@ def saved_clients(out: str, round_: int) -> List[int]:
 class Objective:
     """L(w) = (1/N) sum_i loss_i(w) over a fixed sample; this rank holds ``batches`` of it.
 
-    ``reduce`` sums a float64 vector over the ranks that share the sample (None: this
-    rank holds all of it). Hessian-vector products are exact (double backward).
+    ``world``: the ranks that share the sample, batch b on rank b mod size (None: this
+    rank holds all of it). Hessian-vector products are exact (double backward); the
+    batches' float64 terms are added by :class:`fedhpc.reproducible_sum.ReproducibleSum`,
+    so a result has the same bits however the batches are spread over ranks.
     """
 
     def __init__(self, model: nn.Module, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]], total: int,
-                 reduce: Reduce = None):
-        self.model, self.batches, self.total, self.reduce = model, list(batches), int(total), reduce
+                 world=None):
+        self.model, self.batches, self.total, self.world = model, list(batches), int(total), world
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sizes = [p.numel() for p in self.params]
         self.numel = sum(self.sizes)
@@ -110,26 +112,36 @@ class Objective:
         return [t.view_as(p).to(p.dtype) for t, p in zip(torch.split(v.to(self.params[0].device), self.sizes),
                                                             self.params)]
 
+    def _summed(self, terms, width: int) -> torch.Tensor:
+        """The sum over every rank of float64 vectors of ``width`` (this rank's ``terms``), on the CPU."""
+        device = self.world.device if self.world is not None else "cpu"
+        acc = ReproducibleSum(width, MAX_TERMS, device=device)  # a term per batch: far fewer
+        for t in terms:
+            acc.add_(t.to(device))
+        if self.world is not None:  # a rank without batches still joins the collectives
+            acc.align_(self.world)
+            self.world.all_reduce_sum_(acc.data)
+        return acc.sum().cpu()
+
     def hvp(self, v: torch.Tensor) -> torch.Tensor:
         """H v for a flat float64 vector ``v`` (CPU), summed over the batches of every rank."""
         vs = self._split(v)
-        out = torch.zeros(self.numel, dtype=torch.float64)
-        for x, y in self.batches:
-            loss = task_loss(self.model(x), y, reduction="sum") / self.total
-            grads = torch.autograd.grad(loss, self.params, create_graph=True)
-            hv = torch.autograd.grad(grads, self.params, grad_outputs=vs)
-            out += torch.cat([h.reshape(-1) for h in hv]).double().cpu()
-        if self.reduce is not None:
-            out = self.reduce(out)
+
+        def per_batch():
+            for x, y in self.batches:
+                loss = task_loss(self.model(x), y, reduction="sum") / self.total
+                grads = torch.autograd.grad(loss, self.params, create_graph=True)
+                hv = torch.autograd.grad(grads, self.params, grad_outputs=vs)
+                yield torch.cat([h.reshape(-1) for h in hv]).double()
+
         self.hvps += 1
-        return out
+        return self._summed(per_batch(), self.numel)
 
     def loss(self) -> float:
-        total = torch.zeros(1, dtype=torch.float64)
         with torch.no_grad():
-            for x, y in self.batches:
-                total += float(task_loss(self.model(x), y, reduction="sum")) / self.total
-        return float(self.reduce(total) if self.reduce is not None else total)
+            terms = (torch.tensor([float(task_loss(self.model(x), y, reduction="sum")) / self.total],
+                                  dtype=torch.float64) for x, y in self.batches)
+            return float(self._summed(terms, 1))
 
 
 def rademacher(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -318,11 +330,6 @@ def analyse(args, world) -> Dict[str, object]:
     result: Dict[str, object] = {"run_dir": os.path.abspath(args.run_dir), "algo": run.cfg.algo,
                                  "seed": args.seed, "dtype": args.dtype, "ranks": world.size}
 
-    def all_reduce(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(world.device)
-        world.all_reduce_sum_(t)
-        return t.cpu()
-
     plan = None if args.skip_matching else _matching_plan(run, args)
     # Every model file is read once before any Hessian work: a truncated file found after an
     # hour of power iterations would waste the hour. Client models are checked by the rank that
@@ -345,7 +352,7 @@ def analyse(args, world) -> Dict[str, object]:
     if not args.skip_global:
         run.load(args.model or os.path.join(args.run_dir, "final_model.pt"))
         mine = [b for i, b in enumerate(central) if i % world.size == world.rank]
-        obj = Objective(run.model, mine, n_central, all_reduce)
+        obj = Objective(run.model, mine, n_central, world)
         eig, _, steps = top_eigenvalue(obj, args.iters, args.tol, args.seed)
         trace, samples = hutchinson_trace(obj, args.trace_iters, args.trace_tol, args.seed)
         result["global"] = {"model": args.model or "final_model.pt", "data": "central", "samples": n_central,

@@ -5,8 +5,8 @@ devices' per-label outputs into a model by K_s SGD iterations on seed samples
 (Mix2FLD paper, Eq. 5), XorMixFL trains on its own data plus decoded samples,
 FD-style and FedAlign-style server steps, the Hessian analysis. Run on rank 0
 alone, that work would leave every other rank idle; :class:`ServerTrainer`
-spreads it over all ranks and gives the same weights on 1, 2 or 3 ranks (up to
-float reduction order, in practice bit for bit, see below).
+spreads it over all ranks and gives the same weights, bit for bit, on 1, 2 or 3
+ranks (see below).
 
 The rules, which the tests re-implement independently:
 
@@ -29,16 +29,16 @@ The rules, which the tests re-implement independently:
   (ghost batches of ``micro_batch`` samples; ``micro_batch >= batch_size`` gives
   plain BatchNorm).
 * Gradient. g = (1/B) * sum over the batch of d loss_i / d w, with ``loss_fn``
-  returning per-sample losses. Each micro-batch's gradient is added to a float64
-  accumulator, which is all-reduced once per step together with the BatchNorm
-  buffer updates and the loss sum (one flat float64 all-reduce). float64, not
-  float32: every micro-batch's float32 gradient is computed identically on any
-  rank count, so the only rank-dependent step is the order of the sum, and a
-  float64 sum of float32 numbers rounds back to the same float32 value whatever
-  the order (except for ties, with probability ~1e-9 per weight). Rank counts
-  then agree bit for bit instead of to ~1e-7, an error that grows with steps.
-  The all-reduce carries twice the bytes of a float32 one; server models are
-  small next to the compute of a step.
+  returning per-sample losses. Every micro-batch's float32 gradient is computed
+  identically on any rank count, so the only rank-dependent step is how the sum
+  is grouped; it goes into a :class:`fedhpc.reproducible_sum.ReproducibleSum`
+  (with the BatchNorm buffer updates and the loss sum), whose result does not
+  depend on the grouping, aligned and sum-all-reduced once per step. A float64
+  sum of the float32 gradients rounds back to the same float32 almost always,
+  but not always (~1e-9 per weight and step), and a one-ulp difference grows
+  with the steps; this one has the same bits always. It costs four float64
+  words per weight and an extra int32 all-reduce; server models are small next
+  to the compute of a step.
 * Clipping (``grad_clip > 0``): on the reduced gradient, torch's rule
   g *= min(1, c / (||g||_2 + 1e-6)).
 * BatchNorm running statistics. Every micro-batch starts from the pre-step
@@ -74,6 +74,7 @@ from ..algorithms.base import derive_seed
 from ..data.base import BatchTransform, default_transform
 from ..errors import ConfigError, DataError, NonFiniteLossError
 from ..flat import FlatModel
+from ..reproducible_sum import MAX_TERMS, ReproducibleSum, storage_numel
 
 # loss_fn(logits, targets_mb, extra_mb) -> per-sample losses, shape [mb]
 LossFn = Callable[[torch.Tensor, torch.Tensor, Optional[object]], torch.Tensor]
@@ -234,8 +235,13 @@ class ServerTrainer:
         grad_pairs = [(p, v) for p, v in zip(params, views) if p.requires_grad]
         for p, v in grad_pairs:
             p.grad = v
-        # [0, P): gradient sums; [P, N): buffer-update sums; N: loss sum; N + 1: ranks failed.
-        acc = torch.zeros(N + 2, dtype=torch.float64, device=dev)
+        # The step's one sum all-reduce: a reproducible sum of [0, P) the gradient, [P, N) the
+        # buffer updates and N the loss, then the count of ranks that failed.
+        if math.ceil(cfg.batch_size / cfg.micro_batch) > MAX_TERMS:
+            raise ConfigError(f"server training: batch_size / micro_batch may be at most {MAX_TERMS} "
+                              f"micro-batches per step; raise micro_batch")
+        comm = torch.zeros(storage_numel(N + 1) + 1, dtype=torch.float64, device=dev)
+        acc = ReproducibleSum(N + 1, math.ceil(cfg.batch_size / cfg.micro_batch), out=comm[:-1])
         loss_total = torch.zeros((), dtype=torch.float64, device=dev)
         buf_pre = flat.flat[P:].clone() if has_buffers else None
         int_buffers = self._integer_buffers()
@@ -276,11 +282,10 @@ class ServerTrainer:
                     if p.grad is not v:  # a backward that replaced .grad instead of adding to it
                         v.copy_(p.grad)
                         p.grad = v
-                acc[:P] += grad
-                if has_buffers:
-                    acc[P:N] += flat.flat[P:]
-                    acc[P:N] -= buf_pre
-                acc[N] += losses.detach().sum()
+                acc.add_(grad)
+                if has_buffers:  # the difference of two float32 numbers is exact in float64
+                    acc.add_(flat.flat[P:].double() - buf_pre.double(), start=P)
+                acc.add_(losses.detach().sum(), start=N)
 
         start = time.perf_counter()
         try:
@@ -289,6 +294,7 @@ class ServerTrainer:
                 B = int(idx.numel())
                 n_micro = math.ceil(B / mb_size)
                 acc.zero_()
+                comm.zero_()
                 if has_buffers:
                     buf_pre.copy_(flat.flat[P:])
                 for pre, (b, _) in zip(int_pre, int_buffers):
@@ -299,19 +305,21 @@ class ServerTrainer:
                     except Exception as e:
                         failure = e
                 if failure is not None:
-                    acc[N + 1] = 1.0
-                world.all_reduce_sum_(acc)
-                failures += acc[N + 1]
-                acc[:P].div_(B)
+                    comm[-1] = 1.0
+                acc.align_(world)
+                world.all_reduce_sum_(comm)
+                failures += comm[-1]
+                total = acc.sum()
+                total[:P].div_(B)
                 if cfg.grad_clip > 0:
-                    acc[:P].mul_((cfg.grad_clip / (acc[:P].norm() + 1e-6)).clamp_(max=1.0))
-                grad.copy_(acc[:P])
+                    total[:P].mul_((cfg.grad_clip / (total[:P].norm() + 1e-6)).clamp_(max=1.0))
+                grad.copy_(total[:P])
                 opt.step()
                 if has_buffers:
-                    flat.flat[P:].copy_(buf_pre + acc[P:N] / n_micro)
+                    flat.flat[P:].copy_(buf_pre + total[P:N] / n_micro)
                 for pre, (b, counts_steps) in zip(int_pre, int_buffers):
                     b.copy_(pre + 1 if counts_steps else pre)
-                loss_total += acc[N]
+                loss_total += total[N]
                 samples += B
             loss_sum, failed = torch.stack([loss_total, failures]).tolist()  # one device sync, at the end
             if failed > 0:
