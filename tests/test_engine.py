@@ -406,3 +406,32 @@ def test_the_training_loss_is_summed_per_client_in_client_order():
         ctx = ClientContext(eng.algo, cid, eng.data.client(cid), rnd)
         eng.algo.local_update(eng.model, ctx)
         assert slots[position] == float(ctx.loss_sum), position
+
+
+def test_uploads_are_summed_exactly_not_in_float64_rank_order():
+    """The engine adds the clients' uploads through ReproducibleSum: 2**60, 3 and -2**60 from
+    three clients total 3 in any order and on any number of ranks, where a float64 running sum
+    (what a rank used to keep) gives 0 in this order, and another value with the terms grouped
+    over ranks otherwise."""
+    eng = make_engine(num_clients=6, clients_per_round=4, rounds=1, seed=4, lr=0.1)
+    (name, (_, spec)), = [(n, v) for n, v in eng.uploads.items() if v[1].bound is None][:1]
+    sampled = sample_clients(4, 0, 6, 4)
+    pattern = {sampled[0]: 2.0 ** 60, sampled[1]: 3.0, sampled[2]: -2.0 ** 60, sampled[3]: 0.5}
+    seen = {}
+
+    def upload(model, ctx):
+        t = torch.zeros(spec.numel)
+        t[0], t[1] = pattern[ctx.cid], -pattern[ctx.cid]
+        return {name: t}
+
+    def aggregate(global_state, totals, weight_total, rnd):
+        seen.update(totals=totals[name].clone(), weight=weight_total)
+        return global_state
+
+    eng.algo.upload = upload
+    eng.algo.client_weight = lambda ctx: 1.0
+    eng.algo.aggregate = aggregate
+    eng.run_round(0)
+    assert seen["weight"] == 4.0
+    assert seen["totals"][:2].tolist() == [3.5, -3.5]
+    assert (2.0 ** 60 + 3.0) - 2.0 ** 60 + 0.5 == 0.5  # the plain running sum this replaces
