@@ -242,7 +242,7 @@ class Engine(Evaluation, RunLog):
         algo.round_begin(rnd)
 
         buf = self.round_buffer
-        self.upload_sum.zero_()  # a view of buf: zeroed with it, plus its digit positions
+        self.upload_sum.zero_()  # its bins are a view of buf; this also resets its digit positions
         buf.zero_()
         nonfinite: List[int] = []
         self.model.train()
@@ -259,7 +259,7 @@ class Engine(Evaluation, RunLog):
         buf[self.ledger_offset:] = algo.ledger.values.to(buf)
 
         world.heartbeat()  # on NCCL runs: a dead peer is reported by gloo, not by NCCL's watchdog
-        self.upload_sum.align_(world)  # the int32 digit positions' maximum over ranks
+        self.upload_sum.align_(world)  # the int8 digit positions' maximum over ranks
         world.all_reduce_sum_(buf)  # the round's sum collective: uploads + metrics
 
         if buf[self._slot("failed")] > 0:

@@ -36,9 +36,9 @@ The rules, which the tests re-implement independently:
   depend on the grouping, aligned and sum-all-reduced once per step. A float64
   sum of the float32 gradients rounds back to the same float32 almost always,
   but not always (~1e-9 per weight and step), and a one-ulp difference grows
-  with the steps; this one has the same bits always. It costs four float64
-  words per weight and an extra int32 all-reduce; server models are small next
-  to the compute of a step.
+  with the steps; this one has the same bits always. The all-reduce carries
+  three float64 words per weight, after an int8 one (the digit positions);
+  server models are small next to the compute of a step.
 * Clipping (``grad_clip > 0``): on the reduced gradient, torch's rule
   g *= min(1, c / (||g||_2 + 1e-6)).
 * BatchNorm running statistics. Every micro-batch starts from the pre-step
