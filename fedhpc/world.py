@@ -212,23 +212,21 @@ class World:
         """The tensor a collective hands to the backend: a host copy on gloo runs with GPUs."""
         return tensor.cpu() if self._stage_on_host and tensor.is_cuda else tensor
 
-    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` in place over all ranks."""
+    def _all_reduce_(self, tensor: torch.Tensor, op, what: str) -> torch.Tensor:
         if self.size > 1:
             t = self._host(tensor)
-            self._guard("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.SUM)
+            self._guard(what, dist.all_reduce, t, op=op)
             if t is not tensor:
                 tensor.copy_(t)
         return tensor
 
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over all ranks."""
+        return self._all_reduce_(tensor, dist.ReduceOp.SUM, "all_reduce")
+
     def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Element-wise maximum of ``tensor`` over all ranks, in place."""
-        if self.size > 1:
-            t = self._host(tensor)
-            self._guard("all_reduce(max)", dist.all_reduce, t, op=dist.ReduceOp.MAX)
-            if t is not tensor:
-                tensor.copy_(t)
-        return tensor
+        return self._all_reduce_(tensor, dist.ReduceOp.MAX, "all_reduce(max)")
 
     def all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's tensor, in rank order; the first dimension may differ between ranks."""

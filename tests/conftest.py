@@ -51,6 +51,17 @@ def launch(args, ranks: int = 1, timeout: float = 240, env=None, prefix=None) ->
     return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def run_probe(script: str, out_dir, ranks: int, timeout: float = 180) -> list:
+    """Run ``python tests/SCRIPT OUT_DIR`` on 1 process or under ``mpiexec -n RANKS`` and load
+    the ``OUT_DIR/rank<r>.pt`` file every rank writes."""
+    cmd = [sys.executable, os.path.join("tests", script), str(out_dir)]
+    if ranks > 1:
+        cmd = [mpiexec(), "-n", str(ranks)] + cmd
+    p = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr
+    return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt")) for r in range(ranks)]
+
+
 def final_weights(out: str) -> dict:
     return torch.load(os.path.join(out, "final_model.pt"))
 

@@ -7,14 +7,12 @@ motivates it: a plain float64 sum of the same terms changes with the grouping.
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
 import torch
 
-from conftest import REPO, clean_env, mpiexec
+from conftest import mpiexec, run_probe
 from fedhpc.reproducible_sum import BINS, MAX_TERMS, P_MIN, W, ReproducibleSum, storage_numel
 
 
@@ -162,14 +160,7 @@ def test_refuses_more_terms_than_its_bins_hold_and_a_wrong_buffer():
 
 @pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec (pip install mpich)")
 def test_one_two_and_three_mpi_ranks_give_the_same_bits(tmp_path):
-    got = {}
-    for ranks in (1, 2, 3):
-        cmd = [sys.executable, "tests/reproducible_sum_probe.py", str(tmp_path / f"r{ranks}")]
-        if ranks > 1:
-            cmd = [mpiexec(), "-n", str(ranks)] + cmd
-        p = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=180)
-        assert p.returncode == 0, p.stderr
-        got[ranks] = [torch.load(tmp_path / f"r{ranks}" / f"rank{r}.pt") for r in range(ranks)]
+    got = {ranks: run_probe("reproducible_sum_probe.py", tmp_path / f"r{ranks}", ranks) for ranks in (1, 2, 3)}
     ref = got[1][0]
     assert float(ref["sum"][0]) == 3.0
     for ranks in (2, 3):

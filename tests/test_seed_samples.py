@@ -8,13 +8,10 @@ lambda_hat for N = 2 from its closed form (Eqs. 9-10).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import REPO, clean_env, mpiexec
+from conftest import run_probe
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.errors import ConfigError, DataError
 from fedhpc.exchanges.seed_samples import (SeedSampleOptions, SeedSet, collect_seeds, inverse_mixup,
@@ -209,14 +206,7 @@ def test_collect_refuses_inconsistent_uploads():
 
 
 def test_collect_is_identical_on_one_and_two_mpi_ranks(tmp_path):
-    outs = {}
-    for ranks in (1, 2):
-        cmd = [sys.executable, "tests/seed_probe.py", str(tmp_path / f"r{ranks}")]
-        if ranks > 1:
-            cmd = [mpiexec(), "-n", str(ranks)] + cmd
-        p = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=180)
-        assert p.returncode == 0, p.stderr
-        outs[ranks] = [torch.load(tmp_path / f"r{ranks}" / f"rank{r}.pt") for r in range(ranks)]
+    outs = {ranks: run_probe("seed_probe.py", tmp_path / f"r{ranks}", ranks) for ranks in (1, 2)}
     ref = outs[1][0]
     assert ref["size"] == 1 and [o["size"] for o in outs[2]] == [2, 2]
     assert len(ref["sets"]["inverse"]["x"]) == 84
