@@ -56,10 +56,10 @@ std::tuple<Tensor, Tensor> l3_backward_cpu(const Tensor& go, const Tensor& g, co
 void segment_mix_cpu(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& lam, Tensor& out);
 
 // fedhpc.reproducible_sum's deposit (reference: fedhpc/ops/reference.py binned_add_): alpha * terms
-// into elements start .. start + n - 1 of bins (kBinnedBins, N) float64, top (N,) int8 and
-// scale (N,) float64, all contiguous; terms (n,) float32 or float64, contiguous. CPU only.
+// into elements start .. start + n - 1 of bins (kBinnedBins, N) float64 and top (N,) int8, both
+// contiguous; terms (n,) float32 or float64, contiguous. CPU only.
 constexpr int kBinnedBins = 3;
-void binned_add_cpu(const Tensor& terms, double alpha, Tensor& bins, Tensor& top, Tensor& scale, int64_t start);
+void binned_add_cpu(const Tensor& terms, double alpha, Tensor& bins, Tensor& top, int64_t start);
 
 // Device dispatch with the layout checks (ops.cpp): what the autograd Functions call.
 std::tuple<Tensor, Tensor> mix_forward(const Tensor& x, const std::optional<Tensor>& xbar, const Tensor& y,

@@ -217,8 +217,8 @@ Tensor segment_mix(const Tensor& a_, const Tensor& b_, const Tensor& offsets_, c
 
 // The deposit of fedhpc.reproducible_sum: CPU tensors only (on a GPU its reference is a
 // handful of kernels over memory fast enough for them).
-void binned_add(const Tensor& terms, double alpha, Tensor bins, Tensor top, Tensor scale, int64_t start) {
-  TORCH_CHECK(terms.device().is_cpu() && bins.device().is_cpu() && top.device().is_cpu() && scale.device().is_cpu(),
+void binned_add(const Tensor& terms, double alpha, Tensor bins, Tensor top, int64_t start) {
+  TORCH_CHECK(terms.device().is_cpu() && bins.device().is_cpu() && top.device().is_cpu(),
               "fedhpc ops: binned_add runs on CPU tensors only");
   TORCH_CHECK(terms.dim() == 1 && terms.is_contiguous() &&
                   (terms.scalar_type() == at::kFloat || terms.scalar_type() == at::kDouble),
@@ -229,11 +229,9 @@ void binned_add(const Tensor& terms, double alpha, Tensor bins, Tensor top, Tens
   const int64_t n = bins.size(1);
   TORCH_CHECK(top.dim() == 1 && top.size(0) == n && top.is_contiguous() && top.scalar_type() == at::kChar,
               "fedhpc ops: binned_add top must be a contiguous (N,) int8 tensor");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() && scale.scalar_type() == at::kDouble,
-              "fedhpc ops: binned_add scale must be a contiguous (N,) float64 tensor");
   TORCH_CHECK(start >= 0 && start + terms.numel() <= n, "fedhpc ops: binned_add elements ", start, "..",
               start + terms.numel() - 1, " are outside 0..", n - 1);
-  binned_add_cpu(terms, alpha, bins, top, scale, start);
+  binned_add_cpu(terms, alpha, bins, top, start);
 }
 
 }  // namespace

@@ -34,7 +34,7 @@ inline double inverse_grid(int p) {
 
 template <typename T>
 void binned_add_range(const T* __restrict terms, double alpha, double* __restrict b0, double* __restrict b1,
-                      double* __restrict b2, int8_t* __restrict top, double* __restrict scale, int64_t n) {
+                      double* __restrict b2, int8_t* __restrict top, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     double c = static_cast<double>(terms[i]);
     if (alpha != 1.0) c = c * alpha;
@@ -48,13 +48,12 @@ void binned_add_range(const T* __restrict terms, double alpha, double* __restric
       b1[i] = by == 1 ? o0 : 0.0;
       b0[i] = 0.0;
       top[i] = static_cast<int8_t>(p);
-      scale[i] = inverse_grid(p);
     }
     if (!std::isfinite(c)) {  // inf / NaN: at position 63, into the top bin as they are
       b0[i] += c;
       continue;
     }
-    double u = c * inverse_grid(top[i]);  // = scale[i], without reading it
+    double u = c * inverse_grid(top[i]);
     double d = static_cast<double>(static_cast<int64_t>(u));
     b0[i] += d;
     u = (u - d) * kRadix;
@@ -67,16 +66,14 @@ void binned_add_range(const T* __restrict terms, double alpha, double* __restric
 
 }  // namespace
 
-void binned_add_cpu(const Tensor& terms, double alpha, Tensor& bins, Tensor& top, Tensor& scale, int64_t start) {
+void binned_add_cpu(const Tensor& terms, double alpha, Tensor& bins, Tensor& top, int64_t start) {
   const int64_t n = terms.numel(), stride = bins.stride(0);
   double* b = bins.data_ptr<double>() + start;
   int8_t* t = top.data_ptr<int8_t>() + start;
-  double* s = scale.data_ptr<double>() + start;
   AT_DISPATCH_FLOATING_TYPES(terms.scalar_type(), "binned_add_cpu", [&] {
     const scalar_t* x = terms.data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) {
-      binned_add_range<scalar_t>(x + lo, alpha, b + lo, b + stride + lo, b + 2 * stride + lo, t + lo, s + lo,
-                                 hi - lo);
+      binned_add_range<scalar_t>(x + lo, alpha, b + lo, b + stride + lo, b + 2 * stride + lo, t + lo, hi - lo);
     });
   });
 }

@@ -12,13 +12,13 @@ from torch import Tensor
 from . import _loader, reference
 
 
-def binned_add_(terms: Tensor, alpha: float, bins: Tensor, top: Tensor, scale: Tensor, start: int) -> None:
+def binned_add_(terms: Tensor, alpha: float, bins: Tensor, top: Tensor, start: int) -> None:
     """Add ``alpha * terms`` to elements ``start`` .. of a binned sum (layout: fedhpc.ops.reference)."""
     terms = terms.reshape(-1)
     ext = None
     if bins.is_cpu and terms.is_cpu and terms.dtype in _loader.NATIVE_DTYPES:
         ext = _loader.for_tensors(bins)
     if ext is None:
-        reference.binned_add_(terms, alpha, bins, top, scale, start)
+        reference.binned_add_(terms, alpha, bins, top, start)
     else:
-        ext.binned_add(terms.contiguous(), float(alpha), bins, top, scale, int(start))
+        ext.binned_add(terms.contiguous(), float(alpha), bins, top, int(start))

@@ -43,9 +43,9 @@ def segment_mix(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, lam: to
 
 
 # --------------------------------------------------------------------------- binned sums
-# fedhpc.reproducible_sum's layout: (BINS, N) float64 bins of digit sums, an int8 top
-# position per element and the float64 scale 1 / g(top). Digit positions, grids and why each
-# step is exact: that module's docstring.
+# fedhpc.reproducible_sum's layout: (BINS, N) float64 bins of digit sums and an int8 top
+# position per element. Digit positions, grids and why each step is exact: that module's
+# docstring.
 
 BINNED_BINS = 3       # csrc: kBinnedBins
 BINNED_P_MIN = 3      # lowest top position: the finest grid g(1) = 2**-991 stays a normal double
@@ -57,9 +57,9 @@ def binned_inverse_grid(position: torch.Tensor) -> torch.Tensor:
     return ((2046 << 52) - (position.to(torch.int64) << 57)).view(torch.float64)
 
 
-def binned_raise_top_(bins: torch.Tensor, top: torch.Tensor, scale: torch.Tensor, new_top: torch.Tensor) -> None:
+def binned_raise_top_(bins: torch.Tensor, top: torch.Tensor, new_top: torch.Tensor) -> None:
     """Move elements to top positions ``new_top`` (>= ``top``): their bins shift down by the
-    difference, what falls off the last bin is dropped; ``top`` and ``scale`` follow."""
+    difference, what falls off the last bin is dropped; ``top`` follows."""
     rows = torch.arange(BINNED_BINS, dtype=torch.int64, device=bins.device).unsqueeze(1)
     by = (new_top.to(torch.int64) - top.to(torch.int64)).clamp_(max=BINNED_BINS)
     source = rows - by.unsqueeze(0)                      # new bin k <- old bin k - by
@@ -67,18 +67,16 @@ def binned_raise_top_(bins: torch.Tensor, top: torch.Tensor, scale: torch.Tensor
     padded = torch.cat([bins, bins.new_zeros(1, bins.shape[1])])
     bins.copy_(padded.gather(0, source))
     top.copy_(new_top)
-    scale.copy_(binned_inverse_grid(top))
 
 
-def binned_add_(terms: torch.Tensor, alpha: float, bins: torch.Tensor, top: torch.Tensor, scale: torch.Tensor,
-                start: int) -> None:
+def binned_add_(terms: torch.Tensor, alpha: float, bins: torch.Tensor, top: torch.Tensor, start: int) -> None:
     """Add ``alpha * terms`` (1-D; the product rounded once, in float64) to elements ``start`` ..
-    of ``bins`` (BINNED_BINS, N) with positions ``top`` (N,) int8 and scales ``scale`` (N,)."""
+    of ``bins`` (BINNED_BINS, N) with positions ``top`` (N,) int8."""
     c = terms.to(torch.float64)
     if alpha != 1.0:
         c = c * alpha
     where = slice(start, start + c.numel())
-    bins, top, scale = bins[:, where], top[where], scale[where]
+    bins, top = bins[:, where], top[where]
     # a float64's exponent field >> 5; inf and NaN (all ones) land at 63, above every finite term
     position = ((c.view(torch.int64) >> 57) & 63).clamp_(min=BINNED_P_MIN)
     nonfinite = None
@@ -86,10 +84,10 @@ def binned_add_(terms: torch.Tensor, alpha: float, bins: torch.Tensor, top: torc
         nonfinite = ~torch.isfinite(c)
         special, c = c, torch.where(nonfinite, 0.0, c)
     if bool((position > top).any()):
-        binned_raise_top_(bins, top, scale, torch.maximum(top, position))
+        binned_raise_top_(bins, top, torch.maximum(top, position))
     # the digits at top, top-1, top-2, cut towards zero: u - trunc(u) is exact, and so is every
     # scaling by a power of two
-    u = c * scale
+    u = c * binned_inverse_grid(top)
     for k in range(BINNED_BINS):
         digit = torch.trunc(u)
         bins[k] += digit if k or nonfinite is None else torch.where(nonfinite, special, digit)

@@ -293,8 +293,8 @@ class ServerTrainer:
             for step, idx in enumerate(server_batches(n, cfg, seed)):
                 B = int(idx.numel())
                 n_micro = math.ceil(B / mb_size)
-                acc.zero_()
-                comm.zero_()
+                acc.zero_()  # the bins are comm[:-1]
+                comm[-1] = 0.0
                 if has_buffers:
                     buf_pre.copy_(flat.flat[P:])
                 for pre, (b, _) in zip(int_pre, int_buffers):
