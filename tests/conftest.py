@@ -12,6 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+# One intra-op thread per test process unless a test sets its own (test_ops' two-thread checks
+# do, and restore it): scripts/test.sh runs one pytest worker per core, and the runs tests launch
+# take --threads 1 as well. Set here once, not per module, where the last module imported won.
+torch.set_num_threads(1)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 # Small, fast defaults for end-to-end runs on the digits data.

@@ -108,7 +108,7 @@ def test_stop_epsilon_ends_the_run_on_the_relative_change_of_the_global_state(tm
     eng.run_round = spy
     final = eng.run()
     assert final["round"] == 2  # the first round with a previous state to compare with
-    g0, g1, g2 = states[0].double(), states[1].double(), eng.global_state.double()
+    g1, g2 = states[1].double(), eng.global_state.double()
     assert final["relative_change"] == pytest.approx(float((g2 - g1).norm() / g1.norm()), rel=1e-9)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["round"] for r in rows] == [1, 2]

@@ -28,7 +28,6 @@ from fedhpc.errors import ConfigError
 from fedhpc.models import build_model
 from fedhpc.world import World
 
-torch.set_num_threads(1)
 DIGITS = ((1, 8, 8), 10)
 TINY = ["--model", "resnet_digits", "--model-opt", "width=4"]
 BASE = ["--dataset", "digits", "--num-clients", "4", "--clients-per-round", "2", "--rounds", "1",

@@ -24,8 +24,6 @@ from fedhpc.analysis.hessian import (Objective, RunAnalysis, hessian_diagonal, h
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.world import World
 
-torch.set_num_threads(1)
-
 
 def exact_hessian(model, batches):
     """H of mean CE over all samples of ``batches``, parameters flattened in model.parameters() order."""

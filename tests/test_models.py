@@ -16,8 +16,6 @@ from torch import nn
 from fedhpc.errors import ConfigError
 from fedhpc.models import MODELS, build_model, load_model_modules, model_layers
 
-torch.set_num_threads(2)
-
 # dataset shapes: FEMNIST, CIFAR-10/100, MNIST, ImageNet-200, Shakespeare
 FEMNIST = ((1, 28, 28), 62)
 CIFAR10 = ((3, 32, 32), 10)

@@ -23,8 +23,6 @@ from fedhpc.world import World
 from reference_steps import autograd, batch_indices
 from reference_steps_pmixfed import model_at
 
-torch.set_num_threads(1)
-
 BASE = ["--dataset", "digits", "--num-clients", "8", "--clients-per-round", "3", "--rounds", "2",
         "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--partition", "classes:5",
         "--seed", "2", "--threads", "1", "--quiet", "--no-tensorboard"]

@@ -20,8 +20,6 @@ from fedhpc.models import build_model
 from fedhpc.world import World
 from reference_steps_pmixfed import pmixfed_rounds
 
-torch.set_num_threads(1)
-
 
 # ----------------------------------------------------------------------------- Eq. 5
 

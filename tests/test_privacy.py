@@ -17,7 +17,6 @@ from fedhpc.analysis.privacy import (audit_raw_leaves, log_min_distance, log_min
                                      sample_privacy)
 from fedhpc.exchanges.seed_samples import SeedSet, inverse_mixup, mixed_seeds, raw_seeds
 
-torch.set_num_threads(1)
 C = 6
 
 

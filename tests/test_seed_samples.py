@@ -17,7 +17,6 @@ from fedhpc.errors import ConfigError, DataError
 from fedhpc.exchanges.seed_samples import (SeedSampleOptions, SeedSet, collect_seeds, inverse_mixup,
                                            inverse_ratios, mixed_seeds, mixing_ratios, raw_seeds)
 
-torch.set_num_threads(1)
 C = 10
 
 

@@ -26,8 +26,6 @@ from fedhpc.models import build_model
 from fedhpc.server.trainer import ServerTrainConfig, ServerTrainer
 from fedhpc.world import World
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="module")
 def world():

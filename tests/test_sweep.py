@@ -163,7 +163,7 @@ def test_local_sweep_skips_finished_resumes_interrupted_and_records_failures(tmp
     out = capsys.readouterr().out
     assert f"{p0.id}: finished (round 3/3) -> skip" in out
     assert f"{p1.id}: interrupted (round 1/3) -> resume" in out and "resuming after round 1" in out
-    assert f"FAILED (exit 2)" in out and p3.id in out
+    assert "FAILED (exit 2)" in out and p3.id in out
     # finished point untouched, never launched
     assert (final0.stat().st_mtime_ns, (runs / p0.id / "metrics.jsonl").read_text()) == before0
     assert not (tmp_path / "sweep" / "logs" / f"{p0.id}.log").exists()
