@@ -376,7 +376,8 @@ class Engine(Evaluation, RunLog):
             return None
         now = now.detach().double()
         before, self._previous_convergence_state = self._previous_convergence_state, now.clone()
-        if before is None:
+        # another length: a checkpoint from a version that measured BatchNorm statistics too
+        if before is None or before.shape != now.shape:
             return None
         return float((now - before).norm() / before.norm().clamp_min(1e-30))
 

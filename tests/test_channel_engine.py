@@ -94,9 +94,13 @@ def test_a_downlink_outage_leaves_the_device_on_its_own_model():
     assert torch.allclose(eng.global_state.double(), expected, atol=1e-6)
 
 
-def test_stop_epsilon_ends_the_run_on_the_relative_change_of_the_global_state(tmp_path):
+@pytest.mark.parametrize("model", [[], ["--model", "cnn", "--model-opt", "width=4", "--model-opt", "norm=batch"]],
+                         ids=["mlp", "batchnorm"])
+def test_stop_epsilon_ends_the_run_on_the_relative_change_of_the_global_state(tmp_path, model):
+    """|w_2 - w_1| / |w_1| over the model's parameters; BatchNorm's running statistics, which
+    are in the flat state but not weights, stay out of it."""
     out = str(tmp_path / "run")
-    cfg, ao, do = parse_args([*BASE, "--rounds", "6", "--stop-epsilon", "10", "--out", out])
+    cfg, ao, do = parse_args([*BASE, "--rounds", "6", "--stop-epsilon", "10", "--out", out, *model])
     eng = Engine(cfg, ao, do, World(threads=1))
     states = []
     run_round = eng.run_round
@@ -108,8 +112,14 @@ def test_stop_epsilon_ends_the_run_on_the_relative_change_of_the_global_state(tm
     eng.run_round = spy
     final = eng.run()
     assert final["round"] == 2  # the first round with a previous state to compare with
-    g1, g2 = states[1].double(), eng.global_state.double()
+    params = torch.cat([p.detach().flatten() for p in eng.model.parameters()]).numel()
+    assert (params < eng.flat.numel) == bool(model), "the BatchNorm case needs buffers in the flat state"
+    # parameters come first in the flat layout (named_parameters, then named_buffers)
+    g1, g2 = states[1][:params].double(), eng.global_state[:params].double()
     assert final["relative_change"] == pytest.approx(float((g2 - g1).norm() / g1.norm()), rel=1e-9)
+    # a checkpoint written when the whole flat state was compared resumes without a comparison
+    eng._previous_convergence_state = torch.ones(eng.flat.numel + (0 if model else 1), dtype=torch.float64)
+    assert eng._relative_change() is None
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["round"] for r in rows] == [1, 2]
     assert os.path.exists(os.path.join(out, "final_model.pt"))

@@ -341,8 +341,15 @@ class Algorithm:
 
     def convergence_state(self, global_state: torch.Tensor) -> Optional[torch.Tensor]:
         """The global quantity whose relative change decides convergence (``--stop-epsilon``):
-        the global model by default; FD-style methods return their global outputs."""
-        return global_state
+        the global model's parameters by default; FD-style methods return their global outputs.
+
+        BatchNorm's running statistics are left out: they follow the data, not the optimisation,
+        and running variances near 1 would inflate the norm the change is divided by."""
+        if self.flat.num_params == self.flat.numel:
+            return global_state
+        if getattr(self, "_convergence_mask", None) is None:
+            self._convergence_mask = self.flat.param_mask()
+        return global_state[self._convergence_mask]
 
     def state_dict(self) -> Dict[str, Any]:
         """Server-side state to checkpoint (momentum buffers, control variates...).
