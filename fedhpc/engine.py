@@ -243,7 +243,7 @@ class Engine(Evaluation, RunLog):
 
         buf = self.round_buffer
         self.upload_sum.zero_()  # its bins are a view of buf; this also resets its digit positions
-        buf.zero_()
+        buf[self.upload_sum.data.numel():].zero_()  # the rest: bounded uploads, losses, flags, ledger
         nonfinite: List[int] = []
         self.model.train()
         # A client that fails on this rank alone must not leave the others in the all-reduce:
