@@ -57,7 +57,8 @@ void segment_mix_cpu(const Tensor& a, const Tensor& b, const Tensor& offsets, co
 
 // fedhpc.reproducible_sum's deposit (reference: fedhpc/ops/reference.py binned_add_): alpha * terms
 // into elements start .. start + n - 1 of bins (kBinnedBins, N) float64 and top (N,) int8, both
-// contiguous; terms (n,) float32 or float64, contiguous. CPU only.
+// contiguous; terms (n,) float32 or float64, contiguous, on the same device (CPU here; the CUDA
+// twin is binned_add_cuda).
 constexpr int kBinnedBins = 3;
 void binned_add_cpu(const Tensor& terms, double alpha, Tensor& bins, Tensor& top, int64_t start);
 
@@ -88,6 +89,7 @@ std::tuple<Tensor, Tensor> l3_backward_cuda(const Tensor& go, const Tensor& g, c
                                             bool need_g, bool need_xbar);
 // offsets: int64 on the device of a.
 void segment_mix_cuda(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& lam, Tensor& out);
+void binned_add_cuda(const Tensor& terms, double alpha, Tensor& bins, Tensor& top, int64_t start);
 #endif
 
 }  // namespace fedhpc

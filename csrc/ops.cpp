@@ -23,7 +23,7 @@ namespace fedhpc {
 namespace {
 
 // Bumped whenever a signature below changes; fedhpc/ops/_loader.py refuses another value.
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 
 // A (rows, ...) tensor the kernels read as (rows, cols): dtype and device of `like`, float32/64.
 void check_rows(const Tensor& t, const char* name, const Tensor& like) {
@@ -215,11 +215,11 @@ Tensor segment_mix(const Tensor& a_, const Tensor& b_, const Tensor& offsets_, c
   return out;
 }
 
-// The deposit of fedhpc.reproducible_sum: CPU tensors only (on a GPU its reference is a
-// handful of kernels over memory fast enough for them).
+// The deposit of fedhpc.reproducible_sum: one pass on the CPU, one launch on a GPU, where the
+// reference is about fifteen kernels and their temporaries per client upload.
 void binned_add(const Tensor& terms, double alpha, Tensor bins, Tensor top, int64_t start) {
-  TORCH_CHECK(terms.device().is_cpu() && bins.device().is_cpu() && top.device().is_cpu(),
-              "fedhpc ops: binned_add runs on CPU tensors only");
+  TORCH_CHECK(terms.device() == bins.device() && top.device() == bins.device(),
+              "fedhpc ops: binned_add terms, bins and top must be on one device");
   TORCH_CHECK(terms.dim() == 1 && terms.is_contiguous() &&
                   (terms.scalar_type() == at::kFloat || terms.scalar_type() == at::kDouble),
               "fedhpc ops: binned_add terms must be a contiguous 1-D float32 or float64 tensor");
@@ -231,6 +231,15 @@ void binned_add(const Tensor& terms, double alpha, Tensor bins, Tensor top, int6
               "fedhpc ops: binned_add top must be a contiguous (N,) int8 tensor");
   TORCH_CHECK(start >= 0 && start + terms.numel() <= n, "fedhpc ops: binned_add elements ", start, "..",
               start + terms.numel() - 1, " are outside 0..", n - 1);
+  if (bins.is_cuda()) {
+#ifdef FEDHPC_WITH_CUDA
+    binned_add_cuda(terms, alpha, bins, top, start);
+    return;
+#else
+    no_cuda();
+#endif
+  }
+  TORCH_CHECK(bins.is_cpu(), "fedhpc ops: binned_add runs on CPU or CUDA tensors");
   binned_add_cpu(terms, alpha, bins, top, start);
 }
 

@@ -22,8 +22,9 @@ finer than a float64 sum's rounding. Infinite and NaN terms go into the top bin 
 so they propagate as in a plain sum.
 
 Cost per element: three float64 bins (what the all-reduce carries, three times a plain float64
-sum's) and an int8 position; per added tensor one native pass on the CPU (fedhpc.ops.binned_add_),
-about fifteen element-wise operations elsewhere; and one extra all-reduce, of the int8 positions.
+sum's) and an int8 position; per added tensor one native pass (fedhpc.ops.binned_add_: C++ on
+the CPU, one CUDA launch on a GPU), about fifteen element-wise operations where no extension
+is built; and one extra all-reduce, of the int8 positions.
 """
 
 from __future__ import annotations

@@ -261,6 +261,32 @@ def test_each_cuda_op_is_one_kernel_launch_whatever_the_segments_and_clients(mon
         assert count(lambda: torch.autograd.grad(s.sum(), (x, xbar)))[0] == 1
 
 
+@pytest.mark.parametrize("where", ["cuda-emulated", "cuda"])
+def test_binned_add_cuda_kernel_equals_its_pytorch_definition(where, monkeypatch):
+    """The CUDA deposit of fedhpc.reproducible_sum (the engine's rank-independent upload sum)
+    against its reference, bit for bit (NaN payloads too): float32 and float64 terms, raises of
+    the top position by 1, 2 and 3+, non-finite terms, alpha, an offset and a strided view; one
+    launch per add. Under the emulation also with 1 and 132 multiprocessors: the grid-stride
+    loop and a grid larger than the data give the same bits."""
+    from test_reproducible_sum import assert_same_bits, binned_cases, deposit_with
+
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    if where == "cuda-emulated":
+        use_emulated_cuda(monkeypatch)
+        from cuda_emulation import launches
+    device = "cuda" if where == "cuda" else "cpu"
+    for dtype, seq in binned_cases():
+        want = deposit_with("torch", seq, device)
+        for sms in ("1", "132") if where == "cuda-emulated" else (None,):
+            if sms is not None:
+                monkeypatch.setenv("FEDHPC_EMU_SMS", sms)
+                before = launches()
+            assert_same_bits(deposit_with("native", seq, device), want, (dtype, sms))
+            if sms is not None:
+                assert launches() - before == len(seq) + 1
+
+
 def test_cuda_results_do_not_depend_on_the_gpus_size(monkeypatch):
     """The CUDA kernels size their grids from the GPU's multiprocessor count, cap them (4096
     blocks for the reducing kernels, CUDA's 65535 for gridDim.y) and loop over the rest;

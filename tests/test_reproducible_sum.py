@@ -170,11 +170,11 @@ def test_one_two_and_three_mpi_ranks_give_the_same_bits(tmp_path):
     assert not torch.equal(got[3][0]["plain"], ref["plain"])
 
 
-def _binned_cases():
+def binned_cases():
     """(terms, alpha) sequences that exercise every path: raises of the top by 1, 2 and 3+
     positions, non-finite terms, zeros, tiny and huge terms, float32 and float64."""
     g = torch.Generator().manual_seed(7)
-    n = 70_000  # more than one parallel task of the kernel
+    n = 70_000  # more than one parallel task of the CPU kernel
     for dtype in (torch.float32, torch.float64):
         lo, hi = (-120, 120) if dtype == torch.float32 else (-1000, 1000)
         seq = []
@@ -188,6 +188,23 @@ def _binned_cases():
         yield dtype, seq
 
 
+def deposit_with(backend: str, seq, device="cpu") -> ReproducibleSum:
+    """A sum after ``seq``'s adds (at an offset, then a strided view) through ``backend``."""
+    from fedhpc import ops
+
+    acc = ReproducibleSum(seq[0][0].numel() + 10, 100, device=device)
+    with ops.prefer(backend):
+        for t, alpha in seq:
+            acc.add_(t.to(device), alpha=alpha, start=3)
+        acc.add_(seq[0][0].to(device)[::7], start=10)  # a strided (non-contiguous) view
+    return acc
+
+
+def assert_same_bits(a: ReproducibleSum, b: ReproducibleSum, what) -> None:
+    assert torch.equal(a.top.cpu(), b.top.cpu()), what
+    assert torch.equal(a.data.cpu().view(torch.int64), b.data.cpu().view(torch.int64)), what  # NaNs too
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_deposit_equals_its_pytorch_definition(threads):
     from fedhpc import ops
@@ -197,18 +214,7 @@ def test_native_deposit_equals_its_pytorch_definition(threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for dtype, seq in _binned_cases():
-            n = seq[0][0].numel()
-            sums = {}
-            for backend in ("native", "torch"):
-                acc = ReproducibleSum(n + 10, 100)
-                with ops.prefer(backend):
-                    for t, alpha in seq:
-                        acc.add_(t, alpha=alpha, start=3)
-                    acc.add_(seq[0][0][::7], start=10)  # a strided (non-contiguous) view
-                sums[backend] = acc
-            a, b = sums["native"], sums["torch"]
-            assert torch.equal(a.top, b.top), dtype
-            assert torch.equal(a.data.view(torch.int64), b.data.view(torch.int64)), dtype  # same bits, NaNs too
+        for dtype, seq in binned_cases():
+            assert_same_bits(deposit_with("native", seq), deposit_with("torch", seq), dtype)
     finally:
         torch.set_num_threads(old)

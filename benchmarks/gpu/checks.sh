@@ -4,7 +4,7 @@
 # tests: environment, the CUDA extension's JIT build, then on the GPU (the tests' device "auto"
 #        picks it): tests/test_ops.py, tests/test_batched.py, the ranks-sharing-a-GPU tests of
 #        tests/test_distributed.py, tests/test_engine.py
-# ops:   benchmarks/bench_ops.py --device cuda
+# ops:   benchmarks/bench_ops.py and bench_reproducible_sum.py --device cuda
 # bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; sequential, batched, ranks sharing)
 # The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
 set -u
@@ -40,6 +40,9 @@ kernels)  # the CUDA ops and the engine on the GPU, quickly
 ops)
   step bench_ops
   timeout 300 $PY benchmarks/bench_ops.py --device cuda --repeats 9 2>&1 | tee "$OUT/bench_ops_cuda.txt"
+  step bench_reproducible_sum
+  timeout 120 $PY benchmarks/bench_reproducible_sum.py --device cuda --sizes 1000000 11000000 --repeats 5 2>&1 \
+    | tee "$OUT/bench_reproducible_sum_cuda.txt"
   ;;
 bench)
   step bench_gpu

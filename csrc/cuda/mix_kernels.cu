@@ -391,6 +391,53 @@ cudaError_t launch_pair_rows(const Pair& x, const Pair& y, bool vec, T wa, T wb,
   return cudaGetLastError();
 }
 
+// The deposit of fedhpc.reproducible_sum: the CPU kernel's loop (cpu/binned_cpu.cpp, which says
+// why every step is exact or the reference's one rounding) as one thread per element. Elements
+// are independent, so any grid gives the same bits; the finiteness test reads the exponent bits.
+__device__ __forceinline__ double binned_inverse_grid(int p) {  // 1 / g(p) = 2^(1023 - 32 p)
+  return __longlong_as_double(static_cast<long long>((uint64_t{2046} << 52) - (static_cast<uint64_t>(p) << 57)));
+}
+
+template <typename T>
+__global__ void binned_add_kernel(const T* __restrict__ terms, double alpha, double* __restrict__ b0,
+                                  double* __restrict__ b1, double* __restrict__ b2, int8_t* __restrict__ top,
+                                  int64_t n, int p_min) {
+  constexpr double kRadix = 4294967296.0;  // 2^32: one digit
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    double c = static_cast<double>(terms[i]);
+    if (alpha != 1.0) c = __dmul_rn(c, alpha);
+    const uint64_t bits = static_cast<uint64_t>(__double_as_longlong(c));
+    int p = static_cast<int>((bits >> 57) & 63);
+    p = p < p_min ? p_min : p;
+    int t = top[i];
+    double o0 = b0[i], o1 = b1[i], o2 = b2[i];
+    if (p > t) {  // shift the bins down, dropping what falls off the last
+      const int by = p - t < 3 ? p - t : 3;
+      o2 = by == 1 ? o1 : by == 2 ? o0 : 0.0;
+      o1 = by == 1 ? o0 : 0.0;
+      o0 = 0.0;
+      t = p;
+      top[i] = static_cast<int8_t>(p);
+    }
+    if (((bits >> 52) & 0x7FF) == 0x7FF) {  // inf / NaN: at position 63, into the top bin as they are
+      o0 = __dadd_rn(o0, c);
+    } else {
+      double u = __dmul_rn(c, binned_inverse_grid(t));
+      double d = static_cast<double>(static_cast<long long>(u));  // towards zero, exactly (|u| < 2^32)
+      o0 = __dadd_rn(o0, d);
+      u = __dmul_rn(__dsub_rn(u, d), kRadix);
+      d = static_cast<double>(static_cast<long long>(u));
+      o1 = __dadd_rn(o1, d);
+      u = __dmul_rn(__dsub_rn(u, d), kRadix);
+      o2 = __dadd_rn(o2, static_cast<double>(static_cast<long long>(u)));
+    }
+    b0[i] = o0;
+    b1[i] = o1;
+    b2[i] = o2;
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -492,6 +539,16 @@ cudaError_t launch_segment_mix(const T* a, int64_t a_rs, const T* b, int64_t b_r
   return cudaGetLastError();
 }
 
+template <typename T>
+cudaError_t launch_binned_add(const T* terms, double alpha, double* bins, int64_t bin_stride, int8_t* top, int64_t n,
+                              int p_min, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(blocks_for(n, kThreads, resident_blocks())));
+  FEDHPC_LAUNCH(grid, kThreads, stream, binned_add_kernel<T>)(terms, alpha, bins, bins + bin_stride,
+                                                              bins + 2 * bin_stride, top, n, p_min);
+  return cudaGetLastError();
+}
+
 #define FEDHPC_INSTANTIATE(T)                                                                                     \
   template cudaError_t launch_mix_forward<T>(MixPair<T>, MixPair<T>, T, T, cudaStream_t);                        \
   template cudaError_t launch_mix_backward<T>(MixPairT<T>, MixPairT<T>, T, T, cudaStream_t);                     \
@@ -499,7 +556,8 @@ cudaError_t launch_segment_mix(const T* a, int64_t a_rs, const T* b, int64_t b_r
   template cudaError_t launch_l3_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t, int64_t, T, \
                                              cudaStream_t);                                                      \
   template cudaError_t launch_segment_mix<T>(const T*, int64_t, const T*, int64_t, T*, int64_t, const int64_t*,  \
-                                             int64_t, const T*, int64_t, int64_t, int64_t, cudaStream_t);
+                                             int64_t, const T*, int64_t, int64_t, int64_t, cudaStream_t);  \
+  template cudaError_t launch_binned_add<T>(const T*, double, double*, int64_t, int8_t*, int64_t, int, cudaStream_t);
 FEDHPC_INSTANTIATE(float)
 FEDHPC_INSTANTIATE(double)
 #undef FEDHPC_INSTANTIATE

@@ -53,5 +53,12 @@ cudaError_t launch_segment_mix(const T* a, int64_t a_rs, const T* b, int64_t b_r
                                const int64_t* off, int64_t nseg, const T* lam, int64_t lam_rows, int64_t rows,
                                int64_t cols, cudaStream_t stream);
 
+// The deposit of fedhpc.reproducible_sum (contract: fedhpc/ops/reference.py binned_add_): alpha *
+// terms[i] into the three float64 bins bins[k * bin_stride + i] at top position top[i] (raised
+// first when the term needs it; positions start at p_min).
+template <typename T>
+cudaError_t launch_binned_add(const T* terms, double alpha, double* bins, int64_t bin_stride, int8_t* top, int64_t n,
+                              int p_min, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace fedhpc

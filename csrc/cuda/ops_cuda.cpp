@@ -94,4 +94,13 @@ void segment_mix_cuda(const Tensor& a, const Tensor& b, const Tensor& offsets, c
   });
 }
 
+void binned_add_cuda(const Tensor& terms, double alpha, Tensor& bins, Tensor& top, int64_t start) {
+  const c10::cuda::CUDAGuard guard(bins.device());
+  AT_DISPATCH_FLOATING_TYPES(terms.scalar_type(), "fedhpc_binned_add_cuda", [&] {
+    C10_CUDA_CHECK(cuda::launch_binned_add<scalar_t>(terms.data_ptr<scalar_t>(), alpha, bins.data_ptr<double>() + start,
+                                                     bins.stride(0), top.data_ptr<int8_t>() + start, terms.numel(),
+                                                     kBinnedBins, stream_of(bins)));
+  });
+}
+
 }  // namespace fedhpc

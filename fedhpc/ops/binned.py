@@ -1,8 +1,9 @@
-"""The deposit step of :class:`fedhpc.reproducible_sum.ReproducibleSum`, native on the CPU.
+"""The deposit step of :class:`fedhpc.reproducible_sum.ReproducibleSum`, native on CPU and GPU.
 
 Its pure-PyTorch definition (:func:`fedhpc.ops.reference.binned_add_`) is about fifteen
-element-wise passes over the terms; the C++ kernel (csrc/cpu/binned_cpu.cpp) is one, with
-the same bits. On a GPU the reference runs: its passes cost little next to a client's training.
+element-wise passes over the terms, with temporaries the size of the model; the C++ kernel
+(csrc/cpu/binned_cpu.cpp) is one pass and the CUDA kernel (csrc/cuda/mix_kernels.cu) one
+launch, with the same bits.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ def binned_add_(terms: Tensor, alpha: float, bins: Tensor, top: Tensor, start: i
     """Add ``alpha * terms`` to elements ``start`` .. of a binned sum (layout: fedhpc.ops.reference)."""
     terms = terms.reshape(-1)
     ext = None
-    if bins.is_cpu and terms.is_cpu and terms.dtype in _loader.NATIVE_DTYPES:
-        ext = _loader.for_tensors(bins)
+    if terms.device == bins.device and terms.dtype in _loader.NATIVE_DTYPES:
+        ext = _loader.for_tensors(bins)  # float64, so by the bins alone (terms may be float32)
     if ext is None:
         reference.binned_add_(terms, alpha, bins, top, start)
     else:

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
@@ -68,6 +69,16 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline double __dsub_rn(double a, double b) { return a - b; }
+inline long long __double_as_longlong(double d) {
+  long long v;
+  std::memcpy(&v, &d, sizeof v);
+  return v;
+}
+inline double __longlong_as_double(long long v) {
+  double d;
+  std::memcpy(&d, &v, sizeof d);
+  return d;
+}
 
 namespace fedhpc_emu {
 
