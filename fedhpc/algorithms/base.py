@@ -211,6 +211,8 @@ class Algorithm:
         self.final_evaluation = False
         #: set by the engine: the rounds the current global model has had (also after a resume)
         self.rounds_done = 0
+        #: True on the flat state's parameters, False on its buffers (BatchNorm statistics)
+        self.param_mask = flat.param_mask()
 
     # ---------------------------------------------------------------- round-level hooks
     def setup(self) -> None:
@@ -345,11 +347,7 @@ class Algorithm:
 
         BatchNorm's running statistics are left out: they follow the data, not the optimisation,
         and running variances near 1 would inflate the norm the change is divided by."""
-        if self.flat.num_params == self.flat.numel:
-            return global_state
-        if getattr(self, "_convergence_mask", None) is None:
-            self._convergence_mask = self.flat.param_mask()
-        return global_state[self._convergence_mask]
+        return global_state if self.flat.num_params == self.flat.numel else global_state[self.param_mask]
 
     def state_dict(self) -> Dict[str, Any]:
         """Server-side state to checkpoint (momentum buffers, control variates...).

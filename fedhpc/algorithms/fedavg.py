@@ -49,7 +49,6 @@ class FedAvg(Algorithm):
     def setup(self):
         self.options = self.options or FedAvgOptions()
         self.server_velocity = None
-        self.is_param = self.flat.param_mask()
 
     def aggregate(self, global_state, totals, weight_total, rnd):
         o = self.options
@@ -66,7 +65,7 @@ class FedAvg(Algorithm):
             self.server_velocity.mul_(o.server_momentum).add_(delta)
             delta = self.server_velocity
         stepped = global_state - o.server_lr * delta
-        return torch.where(self.is_param, stepped, average)  # buffers: the plain average
+        return torch.where(self.param_mask, stepped, average)  # buffers: the plain average
 
     def state_dict(self):
         return {"server_velocity": self.server_velocity}

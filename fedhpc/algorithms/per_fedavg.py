@@ -52,10 +52,6 @@ class PerFedAvg(PersonalAlgorithm):
 
     Options = PerFedAvgOptions
 
-    def setup(self):
-        super().setup()
-        self.num_param_values = sum(e.numel for e in self.flat.entries if e.is_param)  # parameters come first
-
     def grads(self, model, x, y, ctx):
         loss = self.loss(model, x, y, ctx)
         return loss, torch.autograd.grad(loss, list(model.parameters()))
@@ -68,7 +64,7 @@ class PerFedAvg(PersonalAlgorithm):
     def meta_gradient(self, model, batches, ctx):
         """(outer loss, g) at the current w; the parameters are back at w on return."""
         o = self.options
-        params = self.flat.flat[:self.num_param_values]
+        params = self.flat.flat[:self.flat.num_params]  # parameters come first
         w = params.detach().clone()
         _, g1 = self.grads(model, *batches[0], ctx)
         self.sgd_step(model, g1, o.alpha)                      # w' = w - alpha grad f(w; D1)
