@@ -8,6 +8,7 @@ csrc/cuda/mix_kernels.cu), its pure-PyTorch definition (fedhpc.ops.reference.bin
 engine-level figure is benchmarks/bench_overhead.py (a).
 
     python benchmarks/bench_reproducible_sum.py [--sizes 26000 1000000 4000000] [--repeats 9] [--device cuda]
+    FEDHPC_NO_SIMD=1 python benchmarks/bench_reproducible_sum.py     # the CPU kernel's scalar loop
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main():
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     nat = ops.native()
     where = torch.cuda.get_device_name() if device.type == "cuda" else "1 thread"
+    if device.type == "cpu" and nat.module is not None:  # the kernel's vector path (FEDHPC_NO_SIMD=1: scalar)
+        where += f", {nat.module.cpu_isa()['binned_add']} loop"
     print(f"torch {torch.__version__}, extension {nat.origin}, binned_add on {args.device}: "
           f"{ops.backends()['binned_add'][device.type]}; {where}, median of {args.repeats} interleaved samples")
     print(f"{'elements':>10} {'native ms':>10} {'torch ms':>10} {'plain ms':>10} {'native/plain':>13} {'torch/native':>13}")

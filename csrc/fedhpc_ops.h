@@ -13,8 +13,12 @@
 // which only the binding (ops.cpp) includes.
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <array>
+#include <cctype>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace fedhpc {
@@ -61,6 +65,27 @@ void segment_mix_cpu(const Tensor& a, const Tensor& b, const Tensor& offsets, co
 // twin is binned_add_cuda).
 constexpr int kBinnedBins = 3;
 void binned_add_cpu(const Tensor& terms, double alpha, Tensor& bins, Tensor& top, int64_t start);
+
+// The CPU kernels' vector paths are picked once per process from what the processor has (AVX2 for
+// binned_add_cpu, AVX for segment_mix's streamed stores), unless FEDHPC_NO_SIMD is set (as
+// fedhpc.ops._sources.env_flag reads it: anything but '', 0, false, no, off), which keeps the
+// baseline loops: the tests run them on machines that would never take them, and a user can rule
+// the vector paths out. Every path gives the same bits.
+inline bool cpu_simd_allowed() {
+  static const bool allowed = [] {
+    const char* raw = std::getenv("FEDHPC_NO_SIMD");
+    std::string v;  // stripped at both ends, lower case
+    for (const char* c = raw ? raw : ""; *c; ++c) v += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+    const char* blank = " \t\n\r\f\v";
+    v.erase(v.find_last_not_of(blank) + 1);
+    v.erase(0, std::min(v.find_first_not_of(blank), v.size()));
+    return v.empty() || v == "0" || v == "false" || v == "no" || v == "off";
+  }();
+  return allowed;
+}
+// The path each CPU kernel takes here ("avx2", "avx", "sse2", "scalar"): python -m fedhpc.ops reports them.
+const char* binned_add_cpu_isa();
+const char* segment_mix_stream_cpu_isa();
 
 // Device dispatch with the layout checks (ops.cpp): what the autograd Functions call.
 std::tuple<Tensor, Tensor> mix_forward(const Tensor& x, const std::optional<Tensor>& xbar, const Tensor& y,

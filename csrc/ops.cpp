@@ -8,8 +8,10 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
+#include <map>
 #include <mutex>
 #include <set>
+#include <string>
 
 // FEDHPC_SOURCES_HASH: hex digest of csrc/ given unquoted by the build (quotes do not survive
 // every shell between setup.py, ninja and the compiler), turned into a string here.
@@ -23,7 +25,7 @@ namespace fedhpc {
 namespace {
 
 // Bumped whenever a signature below changes; fedhpc/ops/_loader.py refuses another value.
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 
 // A (rows, ...) tensor the kernels read as (rows, cols): dtype and device of `like`, float32/64.
 void check_rows(const Tensor& t, const char* name, const Tensor& like) {
@@ -276,4 +278,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for used for 64 tasks (1 = built without OpenMP)");
   m.def("segment_mix", &fedhpc::segment_mix, "out = l_seg a + (1 - l_seg) b, in place into out");
   m.def("binned_add", &fedhpc::binned_add, "fedhpc.reproducible_sum's deposit: alpha * terms into the bins, in place");
+  m.def("cpu_isa", [] {
+    return std::map<std::string, std::string>{{"binned_add", fedhpc::binned_add_cpu_isa()},
+                                              {"segment_mix", fedhpc::segment_mix_stream_cpu_isa()}};
+  }, "the instruction set each CPU kernel's vector path uses here (FEDHPC_NO_SIMD=1: the baseline)");
 }

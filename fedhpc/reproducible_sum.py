@@ -23,8 +23,9 @@ so they propagate as in a plain sum.
 
 Cost per element: three float64 bins (what the all-reduce carries, three times a plain float64
 sum's) and an int8 position; per added tensor one native pass (fedhpc.ops.binned_add_: C++ on
-the CPU, one CUDA launch on a GPU), about fifteen element-wise operations where no extension
-is built; and one extra all-reduce, of the int8 positions.
+the CPU, four elements at a time where AVX2 is present, about as fast as a plain float64 add
+from 1M elements up; one CUDA launch on a GPU), about fifteen element-wise operations where no
+extension is built; and one extra all-reduce, of the int8 positions.
 """
 
 from __future__ import annotations
@@ -106,7 +107,12 @@ class ReproducibleSum:
 
     def sum(self) -> torch.Tensor:
         """The sums, float64: each bin scaled to its grid (exactly), added finest first."""
-        total = self.bins[BINS - 1] * _grid(self.top - (BINS - 1))
+        grid = _grid(self.top - (BINS - 1))
+        total = self.bins[BINS - 1] * grid
         for k in range(BINS - 2, -1, -1):
-            total += self.bins[k] * _grid(self.top - k)
+            # the next grid up, exactly (powers of two within float64's normal range); each
+            # product is exact (an integer below 2**53 times a power of two), so addcmul's one
+            # rounding is the sum's, fused or not
+            grid.mul_(2.0 ** W)
+            total.addcmul_(self.bins[k], grid)
         return total

@@ -658,6 +658,59 @@ def test_backend_report_and_disable_switch():
         ops.fedmix_l3(h, h[:1], 0.5)
 
 
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# Run in a child with FEDHPC_NO_SIMD=1: the baseline loops against the reference.
+_BASELINE_CHILD = """
+import json, sys
+import torch
+sys.path.insert(0, "tests")
+from test_reproducible_sum import assert_same_bits, binned_cases, deposit_with
+from fedhpc import ops
+from fedhpc.ops import reference
+torch.set_num_threads(1)
+for dtype, seq in binned_cases():
+    assert_same_bits(deposit_with("native", seq), deposit_with("torch", seq), dtype)
+gen = torch.Generator().manual_seed(5)
+p = (17 << 20) // 4 + 3  # a streamed output (16 MiB and more), off the vector grid
+off = ops.segment_offsets([5, p // 2, 1, 2, 0, p - p // 2 - 8])
+a, b, lam = torch.rand(1, p, generator=gen), torch.rand(p, generator=gen), torch.rand(1, 6, generator=gen)
+out = torch.empty(p + 1)[1:].view(1, p)
+with ops.prefer("native"):
+    ops.segment_mix(a, b, off, lam, out=out)
+assert torch.equal(out, reference.segment_mix(a, b, off, lam))
+print(json.dumps(ops.native().module.cpu_isa()))
+"""
+
+
+def test_baseline_cpu_loops_equal_the_reference_and_are_reported():
+    """The CPU kernels pick AVX2 / AVX paths where the processor has them, so the baseline loops
+    (scalar deposit, SSE2 streamed stores) would never run on such a machine: FEDHPC_NO_SIMD=1
+    keeps them, and in a child they give the reference's bits. Here, the vector paths are what
+    runs where the processor has them (the other tests then cover them)."""
+    from conftest import clean_env
+
+    native_or_skip()
+    isa = ops.native().module.cpu_isa()
+    if not _sources.env_flag(_sources.ENV_NO_SIMD):
+        flags = _cpu_flags()
+        if "avx2" in flags:
+            assert isa["binned_add"] == "avx2", isa
+        if "avx" in flags:
+            assert isa["segment_mix"] == "avx", isa
+    child = subprocess.run([sys.executable, "-c", _BASELINE_CHILD], env=clean_env(**{_sources.ENV_NO_SIMD: " 1 "}),
+                           cwd=_sources.REPO, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    baseline = json.loads(child.stdout.strip().splitlines()[-1])
+    assert baseline["binned_add"] == "scalar" and baseline["segment_mix"] in ("sse2", "none (ordinary stores)"), baseline
+
+
 def test_a_stale_or_foreign_prebuilt_extension_is_refused(monkeypatch):
     """A prebuilt module from other sources (csrc/ edited since pip install) or another ABI is not used."""
     import types

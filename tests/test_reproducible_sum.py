@@ -172,9 +172,10 @@ def test_one_two_and_three_mpi_ranks_give_the_same_bits(tmp_path):
 
 def binned_cases():
     """(terms, alpha) sequences that exercise every path: raises of the top by 1, 2 and 3+
-    positions, non-finite terms, zeros, tiny and huge terms, float32 and float64."""
+    positions, non-finite terms, zeros, subnormal, tiny and huge terms, float32 and float64, and
+    lengths that leave a tail past the CPU kernel's groups of four."""
     g = torch.Generator().manual_seed(7)
-    n = 70_000  # more than one parallel task of the CPU kernel
+    n = 70_003  # more than one parallel task of the CPU kernel, and not a multiple of 4
     for dtype in (torch.float32, torch.float64):
         lo, hi = (-120, 120) if dtype == torch.float32 else (-1000, 1000)
         seq = []
@@ -184,6 +185,9 @@ def binned_cases():
             t[torch.rand(n, generator=g) < 0.05] = 0.0
             if r == 4:
                 t[:5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0], dtype=dtype)
+                info = torch.finfo(dtype)  # subnormals (top position P_MIN) and the largest finite terms
+                t[9:13] = torch.tensor([info.smallest_normal / 8, -info.smallest_normal / 1024, info.max, -info.max],
+                                       dtype=dtype)
             seq.append((t, [1.0, 37.0, 0.1][r % 3]))
         yield dtype, seq
 

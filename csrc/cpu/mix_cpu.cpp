@@ -154,7 +154,7 @@ struct Streamer {
 
 template <typename T>
 Streamer<T> streamer() {
-  static const bool avx = __builtin_cpu_supports("avx");
+  static const bool avx = __builtin_cpu_supports("avx") && cpu_simd_allowed();
   if (avx) return {int64_t{32} / int64_t{sizeof(T)}, &stream_run_avx, &stream_one_avx};
   return {int64_t{16} / int64_t{sizeof(T)}, &stream_run_sse, &stream_one_sse};
 }
@@ -453,6 +453,14 @@ void segment_mix_cpu(const Tensor& a, const Tensor& b, const Tensor& offsets, co
       fence(stream);
     });
   });
+}
+
+const char* segment_mix_stream_cpu_isa() {
+#ifdef FEDHPC_STREAM
+  return streamer<float>().lanes == 8 ? "avx" : "sse2";
+#else
+  return "none (ordinary stores)";
+#endif
 }
 
 }  // namespace fedhpc

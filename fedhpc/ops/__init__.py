@@ -22,6 +22,8 @@ up to summation order). ``python -m fedhpc.ops`` reports which backend each op u
 Environment:
   FEDHPC_NO_EXT=1   build nothing at install time and use no extension at run time
   FEDHPC_NO_JIT=1   never compile at run time (a prebuilt extension is still used)
+  FEDHPC_NO_SIMD=1  the CPU kernels keep their baseline loops instead of the AVX / AVX2 ones
+                    the processor offers (same bits; for tests and for ruling them out)
 
 Native kernels cover float32 and float64 on CPU and CUDA; other dtypes and devices, and
 ``segment_mix`` calls that need a gradient, run the reference.

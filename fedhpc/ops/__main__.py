@@ -28,6 +28,8 @@ def main(argv=None) -> int:
         "resolve_seconds": round(nat.seconds, 3), "notes": [n for n in nat.notes if n],
         "cuda_note": cuda_reason, "torch": torch.__version__, "sources": _sources.CSRC, "ops": table,
         "native_dtypes": ["float32", "float64"],
+        # which vector path each CPU kernel takes on this processor (FEDHPC_NO_SIMD=1: the baseline)
+        "cpu_isa": dict(nat.module.cpu_isa()) if nat.module is not None else {},
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -41,6 +43,9 @@ def main(argv=None) -> int:
     print(f"{'op':<20} {'cpu':<20} {'cuda':<20}")
     for op, where in table.items():
         print(f"{op:<20} {where['cpu']:<20} {where['cuda']:<20}")
+    if report["cpu_isa"]:
+        print("cpu vector paths: " + ", ".join(f"{op} {isa}" for op, isa in sorted(report["cpu_isa"].items())) +
+              (f" ({_sources.ENV_NO_SIMD} is set)" if _sources.env_flag(_sources.ENV_NO_SIMD) else ""))
     print("native kernels cover float32/float64; other dtypes run the pure-PyTorch reference")
     return 0
 

@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..io import atomic_write_text
 from . import _sources as src
 
-ABI_VERSION = 5          # must equal kAbiVersion in csrc/ops.cpp
+ABI_VERSION = 6          # must equal kAbiVersion in csrc/ops.cpp
 NATIVE_DTYPES = (torch.float32, torch.float64)
 
 

@@ -15,6 +15,7 @@ EXT_NAME = "fedhpc.ops._ext"        # the module `pip install -e .` builds next 
 JIT_NAME = "fedhpc_ops_ext"         # the module torch.utils.cpp_extension.load builds under build/
 ENV_DISABLE = "FEDHPC_NO_EXT"       # 1: no build at install time, no extension at run time
 ENV_NO_JIT = "FEDHPC_NO_JIT"        # 1: never compile at run time (prebuilt or pure PyTorch only)
+ENV_NO_SIMD = "FEDHPC_NO_SIMD"      # 1: CPU kernels keep their baseline loops (read by csrc/fedhpc_ops.h)
 
 CPU_SOURCES = ["ops.cpp", "autograd.cpp", "cpu/mix_cpu.cpp", "cpu/binned_cpu.cpp"]
 CUDA_SOURCES = ["cuda/ops_cuda.cpp", "cuda/mix_kernels.cu"]
