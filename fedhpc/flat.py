@@ -50,6 +50,7 @@ class FlatModel:
             self.entries.append(FlatEntry(name, t.shape, offset, n, is_param))
             offset += n
         self.numel = total
+        #: parameters come first: they are flat[:num_params], buffers (BN statistics) the rest
         self.num_params = sum(e.numel for e in self.entries if e.is_param)
 
     def load_(self, vector: torch.Tensor) -> None:
@@ -63,14 +64,6 @@ class FlatModel:
     def param_views(self, vector: torch.Tensor) -> List[torch.Tensor]:
         """Views of ``vector`` aligned with ``model.parameters()``."""
         return [vector[e.offset: e.offset + e.numel].view(e.shape) for e in self.entries if e.is_param]
-
-    def param_mask(self) -> torch.Tensor:
-        """Boolean mask over the flat vector: True on parameters, False on buffers (BN statistics)."""
-        m = torch.zeros(self.numel, dtype=torch.bool, device=self.flat.device)
-        for e in self.entries:
-            if e.is_param:
-                m[e.offset: e.offset + e.numel] = True
-        return m
 
     def mask(self, names) -> torch.Tensor:
         """Boolean mask over the flat vector selecting the entries whose name starts with any of ``names``."""

@@ -211,8 +211,6 @@ class Algorithm:
         self.final_evaluation = False
         #: set by the engine: the rounds the current global model has had (also after a resume)
         self.rounds_done = 0
-        #: True on the flat state's parameters, False on its buffers (BatchNorm statistics)
-        self.param_mask = flat.param_mask()
 
     # ---------------------------------------------------------------- round-level hooks
     def setup(self) -> None:
@@ -347,7 +345,7 @@ class Algorithm:
 
         BatchNorm's running statistics are left out: they follow the data, not the optimisation,
         and running variances near 1 would inflate the norm the change is divided by."""
-        return global_state if self.flat.num_params == self.flat.numel else global_state[self.param_mask]
+        return global_state[:self.flat.num_params]  # parameters come first, buffers after
 
     def state_dict(self) -> Dict[str, Any]:
         """Server-side state to checkpoint (momentum buffers, control variates...).

@@ -65,7 +65,9 @@ class FedAvg(Algorithm):
             self.server_velocity.mul_(o.server_momentum).add_(delta)
             delta = self.server_velocity
         stepped = global_state - o.server_lr * delta
-        return torch.where(self.param_mask, stepped, average)  # buffers: the plain average
+        params = self.flat.num_params  # parameters come first; buffers (BN statistics): the plain average
+        stepped[params:] = average[params:]
+        return stepped
 
     def state_dict(self):
         return {"server_velocity": self.server_velocity}
