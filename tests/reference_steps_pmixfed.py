@@ -84,7 +84,8 @@ def weighted_mean(eng, flats):
 # ----------------------------------------------------------------------------- pMixFed
 
 def pmixfed_rounds(eng, fixed_mu=None):
-    """``cfg.rounds`` rounds of Eqs. 5-8 with the algorithm's options (b, direction, first_local)."""
+    """``cfg.rounds`` rounds of Eqs. 5-8 with the algorithm's options (b, direction, first_local,
+    first_layer_index: the base is layer 0 in this file's loops, layer ``first_layer_index`` in Eq. 6)."""
     cfg, data, o = eng.cfg, eng.data, eng.algo.options
     G = eng.global_state.double().clone()
     G0 = G.clone()
@@ -110,7 +111,7 @@ def pmixfed_rounds(eng, fixed_mu=None):
                 mu = fixed_mu
             start = mix_per_parameter(eng, G, L, lambda i: min(1.0, mu * steps(i)))          # Eqs. 6-7
             local[cid] = flat_of(eng, sgd(eng, model_at(eng, start), cid, t, cfg.local_epochs))
-            g_prime[cid] = mix_per_parameter(eng, G, local[cid], lambda i: max(0.0, 1 - i * mu_agg))  # Eq. 8
+            g_prime[cid] = mix_per_parameter(eng, G, local[cid], lambda i: max(0.0, 1 - (i + o.first_layer_index) * mu_agg))  # Eq. 8
         G = weighted_mean(eng, g_prime)
     return {"global_state": G, "client_models": local}
 

@@ -50,15 +50,24 @@ def test_mix_factor_shape_and_extremes():
 @pytest.mark.parametrize("mu", [0.0, 0.1, 0.3, 0.5, 0.9, 1.0])
 @pytest.mark.parametrize("layers", [2, 5, 15])
 def test_layer_coefficients_as_written(mu, layers):
-    n = layers - 1
+    # default: i = 1 (base) .. n (head), n = number of layers (Sec. 3.1's {1..M})
+    n = layers
     got_b = broadcast_lambdas(mu, layers).tolist()
     got_p = broadcast_lambdas(mu, layers, "prose").tolist()
     got_a = aggregation_lambdas(mu, layers).tolist()
+    for k, i in enumerate(range(1, n + 1)):
+        assert got_b[k] == pytest.approx(1.0 if mu * (n - i) > 1 else mu * (n - i))   # lambda_i > 1 -> 1
+        assert got_p[k] == pytest.approx(min(1.0, mu * (i - 1)))                    # reversed reading
+        assert got_a[k] == pytest.approx(0.0 if 1 - i * mu <= 0 else 1 - i * mu)     # lambda_i <= 0 -> 0
+    assert got_b[-1] == 0.0 and got_a[0] == 1.0 - mu   # head all local at broadcast; the base learns at aggregation
+    # "i = 0 -> n" read literally (first_layer_index 0, n = layers - 1): the same broadcast, but the
+    # aggregation keeps the global base for ever (lambda_0 = 1)
+    n0 = layers - 1
+    got_a0 = aggregation_lambdas(mu, layers, first_index=0).tolist()
     for i in range(layers):
-        assert got_b[i] == pytest.approx(1.0 if mu * (n - i) > 1 else mu * (n - i))   # lambda_i > 1 -> 1
-        assert got_p[i] == pytest.approx(min(1.0, mu * i))                          # reversed reading
-        assert got_a[i] == pytest.approx(0.0 if 1 - i * mu <= 0 else 1 - i * mu)     # lambda_i <= 0 -> 0
-    assert got_b[-1] == 0.0 and got_a[0] == 1.0   # head all local at broadcast, base all global at aggregation
+        assert got_a0[i] == pytest.approx(max(0.0, 1 - i * mu))
+        assert got_b[i] == pytest.approx(min(1.0, mu * (n0 - i)))
+    assert got_a0[0] == 1.0
 
 
 def test_layer_coefficients_for_many_clients_at_once():
@@ -127,8 +136,9 @@ def engine(argv):
     return Engine(cfg, ao, do, World(threads=1))
 
 
-@pytest.mark.parametrize("extra", [[], ["--direction", "prose", "--first-local", "init", "--b", "1"]],
-                         ids=["formulas", "prose-init-b1"])
+@pytest.mark.parametrize("extra", [[], ["--direction", "prose", "--first-local", "init", "--b", "1"],
+                                   ["--first-layer-index", "0"]],
+                         ids=["formulas", "prose-init-b1", "base-is-layer-0"])
 def test_rounds_equal_eqs_5_to_8_by_hand(extra):
     eng = engine(["--algo", "pmixfed", *BASE, *extra])
     want = pmixfed_rounds(eng)
@@ -146,13 +156,33 @@ def test_rounds_equal_eqs_5_to_8_by_hand(extra):
 def test_the_readings_change_the_result():
     """direction=prose and the tensor unit are different methods, not aliases of the default."""
     outs = {}
-    for name, extra in {"default": [], "prose": ["--direction", "prose"], "tensor": ["--layer-unit", "tensor"]}.items():
+    for name, extra in {"default": [], "prose": ["--direction", "prose"], "tensor": ["--layer-unit", "tensor"],
+                        "base0": ["--first-layer-index", "0"]}.items():
         eng = engine(["--algo", "pmixfed", *BASE, *extra])
         for t in range(3):  # the broadcast mixes from a client's second round on
             eng.run_round(t)
         outs[name] = eng.global_state
     assert float((outs["default"] - outs["prose"]).abs().max()) > 1e-3
     assert float((outs["default"] - outs["tensor"]).abs().max()) > 1e-3
+    assert float((outs["default"] - outs["base0"]).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("first", [1, 0])
+def test_the_global_base_layer_learns_unless_it_is_layer_0(first):
+    """With the base numbered 1 the aggregation gives it 1 - mu of the global model and mu of the
+    clients' average; numbered 0 (the text's "i = 0") it keeps lambda_0 = 1 and its initial values."""
+    eng = engine(["--algo", "pmixfed", *BASE, "--first-layer-index", str(first)])
+    base = [e for e in eng.flat.entries if e.name.startswith("blocks.0.")]
+    assert base
+    start = eng.global_state.clone()
+    for t in range(2):
+        eng.run_round(t)
+    moved = max(float((eng.global_state[e.offset:e.offset + e.numel] - start[e.offset:e.offset + e.numel]).abs().max())
+                for e in base)
+    if first == 1:
+        assert moved > 1e-3
+    else:
+        assert moved == 0.0
 
 
 def test_dynamic_keeps_mu_fixed_and_needs_no_accuracies():
@@ -166,6 +196,8 @@ def test_dynamic_keeps_mu_fixed_and_needs_no_accuracies():
 def test_options_are_checked():
     with pytest.raises(ConfigError, match="--direction"):
         parse_args(["--algo", "pmixfed", "--direction", "upwards"])
+    with pytest.raises(ConfigError, match="--first-layer-index"):
+        parse_args(["--algo", "pmixfed", "--first-layer-index", "2"])
     with pytest.raises(ConfigError, match="client-test-fraction"):
         engine(["--algo", "pmixfed", *BASE, "--client-test-fraction", "0"])
     engine(["--algo", "pmixfed", *BASE, "--client-test-fraction", "0", "--acc-split", "train"])  # allowed

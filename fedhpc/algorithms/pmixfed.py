@@ -1,7 +1,7 @@
 """pMixFed (Saadati, Rostami & Amini): layer-wise mixup of the global and each client's model.
 
-Each client keeps its local model L_k (client-state store). With layers i = 0 (base) .. n
-(head), n = number of layers - 1, and a mix factor mu:
+Each client keeps its local model L_k (client-state store). With layers i = 1 (base) .. n
+(head), n = number of layers, and a mix factor mu:
 
     broadcast    lambda_i = min(1, mu (n - i)),  L'_k,i = lambda_i G_i + (1 - lambda_i) L_k,i   (Eqs. 6-7)
     local        L_k <- E epochs of the local optimiser from L'_k                             (Eq. 7)
@@ -24,9 +24,16 @@ Readings chosen where the paper is open (options in brackets):
   agrees with its formula, so it is the same under both.
 * Layer [``layer_unit``]: a declared ``layers()`` block with everything under it (default),
   or each parameter tensor (BatchNorm statistics with their module's last parameter).
-* i starts at 0 at the base, as written ("i = 0 -> i = n"). A consequence the paper does not
-  discuss: the aggregation's lambda_0 = 1, so the global model's base layer never leaves its
-  initial values; clients still train it locally and keep what the broadcast leaves them.
+* Where i starts [``first_layer_index``]: Sec. 4.2 says both "n is total number of layers" and
+  "i = 0 -> i = n", which cannot both hold. The default takes n = the number of layers and
+  i = 1..n, as Sec. 3.1 numbers layers ({1, ..., M}) and Sec. 5.2 reads them ("i = M -> 1").
+  ``first_layer_index=0`` takes "i = 0" literally (n = layers - 1). The broadcast is the same
+  under both (only n - i enters it); at aggregation i = 0 gives the base lambda_0 = 1 for
+  ever, so the global model's base layer never leaves its random initial values, and every
+  broadcast with mu (n - 1) >= 1 (about mu >= 0.25 on a 5-layer CNN) overwrites the clients'
+  trained base with it: on digits the global model stays near chance and Eq. 5's mu falls
+  towards 0 within a few rounds, i.e. local training only. The paper wants the aggregation
+  to retain the previous global model "predominantly", not to never update its base.
 * Accuracies (Eq. 5) are measured on the clients' local test splits, as the paper says
   (``acc_split=train`` uses their training data instead). Acc_k = accuracy of the client's
   local model before the broadcast; Acc_overall = mean over the round's sampled clients
@@ -69,8 +76,9 @@ def mix_factor(acc: float, delta: float, b: float = 2.0) -> float:
 
 
 def broadcast_lambdas(mu: torch.Tensor, num_layers: int, direction: str = "formulas") -> torch.Tensor:
-    """Eq. 6, broadcast: lambda_i = min(1, mu (n - i)), i = 0 (base) .. n (head); ``prose``
-    reverses the layer order (lambda_i = min(1, mu i)). ``mu`` scalar or (C,) -> (L,) or (C, L)."""
+    """Eq. 6, broadcast: lambda_i = min(1, mu (n - i)) from the base to the head, where n - i
+    runs L - 1 .. 0 whether i starts at 0 or 1 (n follows it); ``prose`` reverses the layer
+    order (lambda = min(1, mu j), j = 0 at the base). ``mu`` scalar or (C,) -> (L,) or (C, L)."""
     mu = torch.as_tensor(mu, dtype=torch.float64)
     n = num_layers - 1
     i = torch.arange(num_layers, dtype=torch.float64)
@@ -78,10 +86,10 @@ def broadcast_lambdas(mu: torch.Tensor, num_layers: int, direction: str = "formu
     return torch.clamp(mu.unsqueeze(-1) * steps, max=1.0)
 
 
-def aggregation_lambdas(mu: torch.Tensor, num_layers: int) -> torch.Tensor:
-    """Eq. 6, aggregation: lambda_i = max(0, 1 - i mu), i = 0 (base) .. n (head)."""
+def aggregation_lambdas(mu: torch.Tensor, num_layers: int, first_index: int = 1) -> torch.Tensor:
+    """Eq. 6, aggregation: lambda_i = max(0, 1 - i mu), i = first_index (base) .. (head)."""
     mu = torch.as_tensor(mu, dtype=torch.float64)
-    i = torch.arange(num_layers, dtype=torch.float64)
+    i = torch.arange(first_index, first_index + num_layers, dtype=torch.float64)
     return torch.clamp(1.0 - mu.unsqueeze(-1) * i, min=0.0)
 
 
@@ -96,13 +104,17 @@ class PMixFedOptions(PersonalOptions):
         "help": "where Eq. 5's accuracies are measured: test (each client's local test split, as the paper) | train"})
     first_local: str = field(default="global", metadata={
         "help": "a client's local model before it first trains: global (the received model) | init (the initial model)"})
+    first_layer_index: int = field(default=1, metadata={
+        "help": "i of the base layer in Eq. 6 (aggregation lambda_i = max(0, 1 - i mu)): 1 (n = number of layers, "
+                "Sec. 3.1) | 0 (the text's 'i = 0 -> n': the global base layer then never leaves its initial values)"})
 
     def validate(self):
         super().validate()
         if not math.isfinite(self.b) or self.b <= 0:
             raise ConfigError(f"--b must be a positive number, got {self.b}")
         for name, allowed in (("direction", ("formulas", "prose")), ("layer_unit", ("block", "tensor")),
-                              ("acc_split", ("test", "train")), ("first_local", ("global", "init"))):
+                              ("acc_split", ("test", "train")), ("first_local", ("global", "init")),
+                              ("first_layer_index", (0, 1))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
 
@@ -222,7 +234,7 @@ class PMixFed(PersonalAlgorithm):
             return global_state
         self._mu_round = totals["mu"].clone()
         average = totals["params"] / weight_total                     # sum_k p_k L_k
-        lam = aggregation_lambdas(self.aggregation_mu(), self.layer_map.num_layers)
+        lam = aggregation_lambdas(self.aggregation_mu(), self.layer_map.num_layers, self.options.first_layer_index)
         # lam G + (1 - lam) sum_k p_k L_k
         return self.layer_map.mix(global_state.to(torch.float64), average, lam)
 
