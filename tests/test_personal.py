@@ -168,6 +168,35 @@ def test_per_fedavg_hf_meta_gradient_against_an_exact_hessian_vector_product():
     assert max(float((x - y).abs().max()) for x, y in zip(g2, want)) > 10 * err
 
 
+def test_per_fedavg_hf_takes_both_finite_differences_with_the_same_dropout_masks():
+    """With dropout, H v is the Hessian of the network under ONE mask: the two passes at w +- d v
+    must draw the same masks, else their difference is mask noise amplified by alpha / (2 d)."""
+    eng = engine(["--algo", "per_fedavg", *BASE, "--model", "cnn", "--model-opt", "dropout=0.5",
+                  "--variant", "hf", "--alpha", "0.1"])
+    algo, c = eng.algo, eng.data.client(0)
+    idx = batch_indices(eng.cfg.seed, 0, 0, 0, c.num_train, 16)[:3]
+    batches = [(c.x[i], c.y[i]) for i in idx]
+    from fedhpc.algorithms.base import ClientContext, RoundInfo
+    ctx = ClientContext(algo, 0, c, RoundInfo(0, [0], [0], 0.05))
+    dropout = [m for m in eng.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(dropout) == 1
+    masks = []
+    dropout[0].register_forward_hook(lambda mod, inp, out: masks.append((inp[0] != 0) & (out == 0)))
+    eng.model.train()
+    torch.default_generator.manual_seed(123)
+    algo.meta_gradient(eng.model, batches, ctx)
+    assert len(masks) == 4                                    # D1 at w, D2 at w', D3 at w + d g and at w - d g
+    assert masks[0].shape == masks[1].shape and not torch.equal(masks[0], masks[1])   # masks do vary by pass
+    assert masks[2].any() and torch.equal(masks[2], masks[3])                        # but not between the two
+    # and the generator moves on afterwards as after one pass, so later batches get fresh masks
+    after = torch.default_generator.get_state()
+    torch.default_generator.manual_seed(123)
+    algo.options.variant = "fo"
+    algo.meta_gradient(eng.model, batches[:2], ctx)
+    eng.model(batches[2][0].to(eng.flat.flat.dtype))
+    assert torch.equal(torch.default_generator.get_state(), after)
+
+
 # ----------------------------------------------------------------------------- personalised evaluation
 
 def brute_force_local(eng):

@@ -5,6 +5,7 @@ Each local step (a "meta-step") of a client, from parameters w, on consecutive m
     w' = w - alpha grad f(w; D1)                                 (inner step, plain SGD)
     FO: g = grad f(w'; D2)
     HF: g = (I - alpha H(w; D3)) grad f(w'; D2),   H v ~ [grad f(w + d v; D3) - grad f(w - d v; D3)] / (2 d)
+        (both passes with the same dropout masks)
     w  <- the local optimiser's step from w with gradient g    (beta = --lr)
 
 The parameters are restored to w before the meta step (an early public version updated
@@ -71,8 +72,13 @@ class PerFedAvg(PersonalAlgorithm):
         loss, g = self.grads(model, *batches[1], ctx)          # grad f(w'; D2)
         params.copy_(w)                                        # restore w before the meta step
         if o.variant == "hf":
-            self.sgd_step(model, g, -o.delta)                  # w + d g
-            _, gp = self.grads(model, *batches[2], ctx)
+            # Both finite-difference passes draw the same dropout masks (the generator is
+            # rewound for the second): with their own masks, gp - gm would be mask noise, which
+            # alpha / (2 d) (5 at the defaults) amplifies, instead of 2 d H g.
+            rng_devices = [self.device.index or 0] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=rng_devices):
+                self.sgd_step(model, g, -o.delta)              # w + d g
+                _, gp = self.grads(model, *batches[2], ctx)
             params.copy_(w)
             self.sgd_step(model, g, o.delta)                   # w - d g
             _, gm = self.grads(model, *batches[2], ctx)
