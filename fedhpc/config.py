@@ -78,6 +78,7 @@ class RunConfig:
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files (rank 0) under --out"})
     quiet: bool = field(default=False, metadata={"help": "no per-round progress lines"})
     cold_start_fraction: float = field(default=0.0, metadata={"help": "share of clients held out of training entirely and evaluated at the end after the method's adaptation (pMixFed Sec. 10.2; 0 = off)"})
+    final_adapt: bool = field(default=False, metadata={"help": "at the final evaluation, every trained client also adapts the final global model with the method's cold-start adaptation and is evaluated on its own split: local_test_accuracy_adapted* (pMixFed App. 10.1's protocol; needs --client-test-fraction > 0)"})
     local_eval: bool = field(default=True, metadata={"help": "every eval round, evaluate the model each client would use on its own local test split (local_test_accuracy)"})
     channel: str = field(default="none", metadata={"help": "wireless channel model (Mix2FLD Sec. II-C): none | symmetric | asymmetric; parameters with --channel-opt k=v"})
     save_client_models: str = field(default="", metadata={"help": "save every trained client model at these rounds ('last', '5,25'; empty = none) under OUT/client_models/ for python -m fedhpc.analysis.hessian"})
@@ -145,6 +146,9 @@ class RunConfig:
         need(not self.resume or bool(self.out), "--resume needs --out DIR (the folder holding the checkpoints)")
         need(self.channel in ("none", "symmetric", "asymmetric"),
              f"--channel must be none, symmetric or asymmetric, got {self.channel!r}")
+        need(not self.final_adapt or self.client_test_fraction > 0,
+             "--final-adapt evaluates every trained client on its own test split, but --client-test-fraction is 0; "
+             "set it > 0 (e.g. 0.2) or leave --final-adapt off")
         need(0 <= self.cold_start_fraction < 1,
              f"--cold-start-fraction must be in [0, 1), got {self.cold_start_fraction}")
         need(math.isfinite(self.stop_epsilon) and self.stop_epsilon >= 0,

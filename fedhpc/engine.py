@@ -501,6 +501,8 @@ class Engine(Evaluation, RunLog):
                     metrics.update(self.evaluate())
                     if last and self.cold_start:
                         metrics.update(self._evaluate_cold_start(metrics))
+                    if last and cfg.final_adapt:
+                        metrics.update(self._evaluate_final_adapted())
                     self.algo.final_evaluation = False
                     final = metrics
                 stop = metrics.pop("stop", False)

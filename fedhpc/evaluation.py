@@ -1,6 +1,7 @@
 """What the engine reports of a model: the global model on the global test set (with per-label
 accuracy), each client's own model on its local test split (over all clients, with the spread
-and the worst tenth), the reference device's model, and cold-start clients adapted at the end.
+and the worst tenth), the reference device's model, and cold-start clients (and, with
+--final-adapt, every trained client) adapted from the final global model at the end.
 
 A mixin of :class:`fedhpc.engine.Engine`, kept apart from the round loop: it reads the
 engine's data, model, flat state, world and algorithm, and shards every evaluation over ranks
@@ -160,19 +161,21 @@ class Evaluation:
             out["local_test_accuracy_global_model"] = float(table[2].sum() / table[1].sum().clamp_min(1))
         return out
 
-    def _evaluate_cold_start(self, trained: Dict[str, float]) -> Dict[str, float]:
-        """Each held-out client: the global model on its own test split, then ``algo.adapt`` on
-        its data and the adapted model on the same split; sharded by cid over ranks. The client
-        joins after the last round run (``stop_round``: --rounds, or where --stop-epsilon ended
-        the run), with that round index for its batches and the learning rate decayed to it."""
+    def _adapted_table(self, clients, where: str) -> Optional[torch.Tensor]:
+        """Rows (correct with the global model, correct after ``algo.adapt``, count) per client:
+        each of ``clients`` takes the final global model, adapts it on its training data and is
+        evaluated on its own test split; on the rank holding its state (cid % size if none).
+        The clients join after the last round run (``stop_round``: --rounds, or where
+        --stop-epsilon ended the run), with that round index for their batches and the learning
+        rate decayed to it; the adaptation is seeded by (seed, cid), whatever the rank."""
         dev, n = self.world.device, self.data.num_clients
         table = torch.zeros(4, n, dtype=torch.float64, device=dev)  # correct before, after, count; failed ranks
         end = self.stop_round
         rnd = RoundInfo(end, [], [], self.cfg.lr * self.cfg.lr_decay ** end)
         failure: Optional[Exception] = None  # one rank's failure stops every rank: see _summed_over_ranks
         try:
-            for cid in self.cold_start:
-                if cid % self.world.size != self.world.rank:
+            for cid in clients:
+                if self._evaluator_rank(cid) != self.world.rank:
                     continue
                 x, y = self.data.client_test_split(cid)
                 if y.numel() == 0:
@@ -184,7 +187,8 @@ class Evaluation:
                         self.model.zero_grad(set_to_none=True)  # no gradient left from the last training step
                         self.model.train()
                         ctx = ClientContext(self.algo, cid, self._to_device(self.data.client(cid)), rnd)
-                        self.algo.adapt(self.model, ctx)
+                        with torch.enable_grad():
+                            self.algo.adapt(self.model, ctx)
                     self.model.eval()
                     with torch.no_grad():
                         table[col, cid] = self._correct(x, y)
@@ -192,7 +196,12 @@ class Evaluation:
         except Exception as e:
             failure = e
             table[-1, 0] = 1.0
-        table = self._summed_over_ranks(table, 2, failure, "the cold-start clients' adaptation")
+        return self._summed_over_ranks(table, 2, failure, where)
+
+    def _evaluate_cold_start(self, trained: Dict[str, float]) -> Dict[str, float]:
+        """Each held-out client: the global model on its own test split, then ``algo.adapt`` on
+        its data and the adapted model on the same split (see :meth:`_adapted_table`)."""
+        table = self._adapted_table(self.cold_start, "the cold-start clients' adaptation")
         if table is None:
             return {}
         has = table[2] > 0
@@ -207,6 +216,25 @@ class Evaluation:
             # the participation gap: what a client that never trained loses against one that did
             out["participation_gap"] = trained["local_test_accuracy_mean"] - out["cold_start_accuracy_mean"]
         return out
+
+    def _evaluate_final_adapted(self) -> Dict[str, float]:
+        """--final-adapt (pMixFed App. 10.1: "The final global model ... is then personalized
+        according to each baseline's personalization or fine-tuning algorithm for r = 4 local
+        epochs"): every trained client adapts the final global model with the method's
+        ``adapt`` (its cold-start adaptation) and is evaluated on its own split, beside the
+        models the clients kept (``local_test_accuracy*``)."""
+        table = self._adapted_table(self.training_clients, "the trained clients' final adaptation")
+        if table is None:
+            return {}
+        has = table[2] > 0
+        acc = table[1, has] / table[2, has]
+        worst = torch.sort(acc).values[: max(1, int(math.ceil(0.1 * len(acc))))]
+        return {
+            "local_test_accuracy_adapted": float(table[1].sum() / table[2].sum()),
+            "local_test_accuracy_adapted_mean": float(acc.mean()),
+            "local_test_accuracy_adapted_std": float(acc.std(unbiased=False)),
+            "local_test_accuracy_adapted_worst10": float(worst.mean()),
+        }
 
     def _holder_broadcast(self, cid: int) -> Optional[torch.Tensor]:
         """Client ``cid``'s model (``algo.client_model``) on every rank, or None for the global one."""

@@ -282,14 +282,46 @@ def test_cold_start_clients_adapt_then_report_both_gaps():
     assert after != before  # the adaptation step changed predictions
 
 
+def test_final_adapt_adapts_the_final_global_model_for_every_trained_client():
+    """--final-adapt (pMixFed App. 10.1): each trained client takes the final global model, runs
+    the method's adaptation (Per-FedAvg: one SGD step of size alpha on its first batch of round
+    T) and is evaluated on its own split; the clients' kept models are reported beside it."""
+    eng = engine(["--algo", "per_fedavg", *BASE, "--model", "mlp", "--alpha", "0.2", "--final-adapt"])
+    for t in range(2):
+        eng.run_round(t)
+    got = eng._evaluate_final_adapted()
+    accs, hits, counts = [], 0, 0
+    for cid in eng.training_clients:
+        c = eng.data.client(cid)
+        x, y = eng.data.client_test_split(cid)
+        if len(y) == 0:
+            continue
+        first = batch_indices(eng.cfg.seed, eng.cfg.rounds, cid, 0, c.num_train, eng.cfg.batch_size)[0]
+        m = model_at(eng, eng.global_state.double())
+        g = autograd(m, F.cross_entropy(m(c.x[first].double()), c.y[first]))
+        with torch.no_grad():
+            for p, gi in zip(m.parameters(), g):
+                p -= 0.2 * gi
+            right = int((m(x.double()).argmax(-1) == y).sum())
+        accs.append(right / len(y))
+        hits, counts = hits + right, counts + len(y)
+    assert len(accs) == len(eng.training_clients) == 8
+    assert got["local_test_accuracy_adapted"] == pytest.approx(hits / counts, abs=1e-12)
+    assert got["local_test_accuracy_adapted_mean"] == pytest.approx(sum(accs) / len(accs), abs=1e-12)
+    worst = sorted(accs)[0]   # ceil(10% of 8) = 1 client
+    assert got["local_test_accuracy_adapted_worst10"] == pytest.approx(worst, abs=1e-12)
+    with pytest.raises(ConfigError, match="--final-adapt"):
+        parse_args(["--final-adapt", "--client-test-fraction", "0"])
+
+
 # ----------------------------------------------------------------------------- 2 ranks
 
 def test_personal_state_evaluation_and_cold_start_on_two_ranks(tmp_path):
-    """pMixFed with its personal models, personalised evaluation and cold-start adaptation:
-    the metrics of 1 and 2 MPI ranks agree (state migrates between ranks every round)."""
+    """pMixFed with its personal models, personalised evaluation, cold-start adaptation and
+    --final-adapt: the metrics of 1 and 2 MPI ranks agree (state migrates between ranks every round)."""
     args = ["--algo", "pmixfed", *BASE, "--model", "cnn", "--model-opt", "width=4", "--model-opt", "hidden=16",
             "--model-opt", "norm=batch", "--rounds", "3", "--clients-per-round", "4",
-            "--cold-start-fraction", "0.25", "--finetune-epochs", "1"]
+            "--cold-start-fraction", "0.25", "--finetune-epochs", "1", "--final-adapt"]
     rows = {}
     for ranks in (1, 2):
         out = tmp_path / f"r{ranks}"
@@ -299,6 +331,7 @@ def test_personal_state_evaluation_and_cold_start_on_two_ranks(tmp_path):
     last1, last2 = rows[1][-1], rows[2][-1]
     keys = [k for k in last1 if k.startswith(("local_test", "cold_start", "participation", "mu_", "acc_", "test_acc"))]
     assert "cold_start_accuracy" in keys and "local_test_accuracy_mean" in keys
+    assert "local_test_accuracy_adapted_mean" in keys   # trained clients adapt where their state lives
     for k in keys:
         assert last1[k] == pytest.approx(last2[k], abs=1e-9), k
 
