@@ -270,3 +270,39 @@ def test_bad_clients_and_unwritable_out_are_refused_before_the_analysis(run_dir,
     assert capsys.readouterr().err.startswith(f"error: cannot write the result to {afile / 'h.json'} (")
     assert main([run_dir, *QUICK, "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith(f"error: --out {tmp_path} is a folder; pass a file name")
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def test_hvps_of_an_lstm_run_its_forward_without_cudnn_on_cuda(monkeypatch):
+    """cuDNN's RNN has no double backward (and no backward in eval mode): on CUDA the HVP's forward
+    must run with cuDNN off. No GPU here: the helper's device check is made to answer "CUDA"
+    (monkeypatch), the LSTM sees cuDNN off in every HVP forward, and H v is unchanged and equals
+    the exact Hessian. The CUDA kernels themselves are not run by this test."""
+    import fedhpc.models.double_backward as db
+
+    torch.manual_seed(0)
+    model = LSTMClassifier().double().eval()
+    x, y = torch.randn(12, 5, 3, dtype=torch.float64), torch.randint(0, 3, (12,))
+    batches = [(x[:7], y[:7]), (x[7:], y[7:])]
+    H = exact_hessian(model, batches)
+    seen = []
+    model.rnn.register_forward_pre_hook(lambda mod, inp: seen.append(torch.backends.cudnn.enabled))
+    obj = Objective(model, batches, 12)
+    v = torch.randn(obj.numel, dtype=torch.float64)
+    on_cpu = obj.hvp(v)
+    assert seen == [True, True]
+    seen.clear()
+    monkeypatch.setattr(db, "_on_cuda", lambda device: True)
+    on_cuda = obj.hvp(v)
+    assert seen == [False, False] and torch.backends.cudnn.enabled is True
+    assert torch.equal(on_cpu, on_cuda)
+    assert torch.allclose(on_cpu, H @ v, atol=1e-12)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..models.double_backward import double_backward_safe
 from .base import soft_loss
 
 Model = Callable[[torch.Tensor], torch.Tensor]
@@ -66,13 +67,18 @@ def fedmix_loss(f: Model, x, y, xbar, ybar, lam: float,
     fused per-sample reduction (:mod:`fedhpc.ops`: native kernels when built, the pure-PyTorch
     reference otherwise; both differentiable to any order). ``return_terms`` adds l1, l2 and
     l3 separately (l2 evaluated on its own, so l1 + l2 matches the total up to rounding).
+
+    The forward runs under :func:`fedhpc.models.double_backward.double_backward_safe`: on CUDA,
+    a model with an RNN (``f`` a module or a bound method of one, e.g. ``forward_embedded``)
+    runs it without cuDNN, whose RNN kernels have no double backward.
     """
     from .. import ops  # here, not at the top, so that only this function of the file changes
 
     xp, ymix = ops.mix_inputs_labels(x, y, ybar, lam)
     if not xp.requires_grad:  # raw images: make the scaled input a leaf we can differentiate at
         xp = xp.detach().requires_grad_(True)
-    logp = F.log_softmax(f(xp), dim=-1)
+    with double_backward_safe(f, xp):  # l3's backward is differentiated again: no cuDNN RNN (LSTM on CUDA)
+        logp = F.log_softmax(f(xp), dim=-1)
     ce = -(y * logp).sum(-1).mean()             # L at (x', y): the loss l3 differentiates
     l12 = -(ymix * logp).sum(-1).mean()         # l1 + l2 against the mixed soft label
     (dx,) = torch.autograd.grad(ce, xp, create_graph=True)

@@ -58,6 +58,7 @@ from torch import nn
 from ..algorithms.base import derive_seed, task_loss
 from ..errors import CheckpointError, ConfigError, DataError, FedHPCError
 from ..io import atomic_torch_save, atomic_write_json, probe_write
+from ..models.double_backward import double_backward_safe
 from ..reproducible_sum import MAX_TERMS, ReproducibleSum
 
 
@@ -129,7 +130,8 @@ class Objective:
 
         def per_batch():
             for x, y in self.batches:
-                loss = task_loss(self.model(x), y, reduction="sum") / self.total
+                with double_backward_safe(self.model, x):  # differentiated twice: no cuDNN RNN on CUDA
+                    loss = task_loss(self.model(x), y, reduction="sum") / self.total
                 grads = torch.autograd.grad(loss, self.params, create_graph=True)
                 hv = torch.autograd.grad(grads, self.params, grad_outputs=vs)
                 yield torch.cat([h.reshape(-1) for h in hv]).double()
