@@ -219,6 +219,67 @@ def test_text_means_are_mean_one_hot_and_mix_as_mean_embeddings():
         MixSpace("next_char", 7).check(nn.Linear(3, 3))
 
 
+def test_fedmix_runs_the_lstm_forward_without_cudnn_on_cuda_and_unchanged_on_cpu(monkeypatch):
+    """cuDNN's RNN kernels have no double backward, and l3's backward is differentiated again:
+    on CUDA the LSTM's forward inside fedmix_loss must run with cuDNN off. No GPU here, so the
+    helper's device check is made to answer "CUDA" (monkeypatch): the LSTM layers then see cuDNN
+    off during the forward (on again after), and the loss and its weight-gradients are bit for bit
+    those of the plain CPU run, which equal Eq. 5 written out below (no fused ops, no helper).
+    The CUDA kernels themselves are not run by this test."""
+    import torch.nn.functional as F
+
+    import fedhpc.models.double_backward as db
+    from fedhpc.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("lstm_char", (6,), 7, {"hidden": 8, "embed_dim": 4}).double()
+    space, lam = MixSpace("next_char", 7), 0.1
+    g = torch.Generator().manual_seed(3)
+    ids, y = torch.randint(7, (5, 6), generator=g), torch.randint(7, (5, 6), generator=g)
+    pbar = torch.softmax(torch.randn(1, 6, 7, generator=g, dtype=torch.float64), -1)  # mean one-hot chars
+    ybar = torch.softmax(torch.randn(1, 6, 7, generator=g, dtype=torch.float64), -1)
+    seen = []
+    for layer in model.lstm:
+        layer.register_forward_pre_hook(lambda mod, inp: seen.append(torch.backends.cudnn.enabled))
+    params = list(model.parameters())
+
+    def run():
+        seen.clear()
+        total = fedmix_loss(space.f(model), space.lift(model, ids), space.labels(y, torch.float64),
+                            space.lift_means(model, pbar), ybar, lam)
+        return total.detach(), torch.autograd.grad(total, params), list(seen)
+
+    def eq5():
+        emb = model.embed(ids)
+        xbar = pbar @ model.embed(torch.arange(7)[None])[0]
+        xp = (1 - lam) * emb
+        logp = F.log_softmax(model.forward_embedded(xp), -1)
+        yo = F.one_hot(y, 7).double()
+        ce = -(yo * logp).sum(-1).mean()
+        (dx,) = torch.autograd.grad(ce, xp, create_graph=True)
+        total = (1 - lam) * ce + lam * -(ybar * logp).sum(-1).mean() + lam * (dx * xbar).sum()
+        return total.detach(), torch.autograd.grad(total, params)
+
+    cpu_total, cpu_grads, cpu_seen = run()
+    monkeypatch.setattr(db, "_on_cuda", lambda device: True)
+    cuda_total, cuda_grads, cuda_seen = run()
+    monkeypatch.undo()
+    assert cpu_seen == [True, True] and cuda_seen == [False, False]
+    assert torch.backends.cudnn.enabled is True
+    assert torch.equal(cpu_total, cuda_total) and all(torch.equal(a, b) for a, b in zip(cpu_grads, cuda_grads))
+    ref_total, ref_grads = eq5()
+    assert torch.allclose(cpu_total, ref_total, rtol=1e-12, atol=0)
+    for a, b in zip(cpu_grads, ref_grads):
+        assert float(b.abs().max()) > 0 and torch.allclose(a, b, rtol=1e-9, atol=1e-14)
+    # a model without an RNN keeps cuDNN (its convolutions need no help)
+    net, seen_net = smooth_net(), []
+    net.register_forward_pre_hook(lambda mod, inp: seen_net.append(torch.backends.cudnn.enabled))
+    x, yy, xs, _ = batch()
+    monkeypatch.setattr(db, "_on_cuda", lambda device: True)
+    fedmix_loss(net, x, yy, xs[:1], yy[:1], lam)
+    assert seen_net == [True]
+
+
 # --------------------------------------------------------------------------- engine runs
 
 def make_engine(algo, rounds=2, partition="classes:2", **algo_options):
@@ -243,7 +304,13 @@ def test_ledger_counts_mean_data_and_raw_samples():
     n = eng.data.num_clients
     m1, m2 = eng.run_round(0), eng.run_round(1)
     assert m1["bytes_up_mean_data"] == n * entry and m2["bytes_up_mean_data"] == 0  # sent once
-    assert m1["bytes_down_mean_data"] == m2["bytes_down_mean_data"] == 3 * (n - 1) * entry
+    # received once: in round 2 only the clients not sampled in round 1 download the means
+    from fedhpc.engine import sample_clients
+    first, second = sample_clients(1, 0, n, 3), sample_clients(1, 1, n, 3)
+    new = [c for c in second if c not in first]
+    assert 0 < len(new) < 3  # this seed covers both: a client that downloads again and one that does not
+    assert m1["bytes_down_mean_data"] == 3 * (n - 1) * entry
+    assert m2["bytes_down_mean_data"] == len(new) * (n - 1) * entry
     assert m1["bytes_up_parameters"] == 3 * eng.flat.numel * 4
 
     with pytest.warns(UserWarning, match="VIOLATES PRIVACY"):
@@ -367,6 +434,47 @@ def test_algorithms_train_lstm_char_on_text_in_embedding_space(algo, recwarn):
         metrics = a.ledger.as_metrics(a.ledger.values)
         assert metrics["bytes_down_mean_data"] == 2 * 2 * 6 * 7 * 4
         assert metrics["bytes_up_mean_data"] == 3 * 2 * 6 * 7 * 4  # booked once, by rank 0, in round_begin
+
+
+@pytest.mark.parametrize("refresh", ["once", "every_round"])
+def test_mean_download_is_booked_once_per_refresh_and_survives_a_resume(tmp_path, refresh):
+    """Round by round, bytes_down_mean_data is the brute-force count of clients sampled for the first
+    time since the last refresh times their n-1 external means; a run interrupted after round 2 and
+    resumed from its checkpoint books the same rounds and the same cumulative total."""
+    import json
+    import os
+
+    from standard_runner import run_case
+
+    from fedhpc.engine import Preempted, sample_clients
+    from fedhpc.world import World
+
+    n, k, rounds, seed = 8, 3, 5, 1
+    argv = ["--algo", "naivemix", "--dataset", "digits", "--num-clients", str(n), "--clients-per-round", str(k),
+            "--rounds", str(rounds), "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--model", "mlp",
+            "--partition", "iid", "--seed", str(seed), "--threads", "1", "--quiet", "--no-tensorboard",
+            "--checkpoint-every", "1", "--mean-refresh", refresh]
+    run_case(argv + ["--out", str(tmp_path / "full")], World(threads=1))
+    out = str(tmp_path / "cut")
+    with pytest.raises(Preempted):
+        run_case(argv + ["--out", out], World(threads=1), interrupt_after=2)
+    run_case(argv + ["--out", out, "--resume"], World(threads=1))
+    rows = {d: [json.loads(line) for line in open(os.path.join(tmp_path, d, "metrics.jsonl"))]
+            for d in ("full", "cut")}
+    entry = (64 + 10) * 4  # one float32 mean per client: 64 pixels and 10 label entries
+    assert rows["full"][0]["bytes_up_mean_data"] == n * entry
+    expect, have = [], set()
+    for t in range(rounds):
+        if refresh == "every_round":
+            have = set()
+        fresh = [c for c in sample_clients(seed, t, n, k) if c not in have]
+        have.update(fresh)
+        expect.append(len(fresh) * (n - 1) * entry)
+    if refresh == "once":
+        assert len(set(expect)) > 2  # rounds with all, some and (here) no new clients
+    for d in ("full", "cut"):
+        assert [r["bytes_down_mean_data"] for r in rows[d]] == expect, d
+    assert rows["full"][-1]["bytes_down_total"] == rows["cut"][-1]["bytes_down_total"]
 
 
 def test_fedmix_two_mpi_ranks_match_one_process(tmp_path):

@@ -412,21 +412,113 @@ def test_exchange_download_books_what_the_client_receives(cfg_factory):
     algo = SimpleNamespace(data=data, comm=OneRank(), cfg=SimpleNamespace(seed=3), device=torch.device("cpu"),
                            flat=SimpleNamespace(flat=torch.zeros(1)), ledger=Ledger())
     ex = MeanDataExchange(algo, opts)
-    ex.round_begin(SimpleNamespace(index=0))
+    ex.round_begin(SimpleNamespace(index=0, sampled=[0, 5]))
     md, entry = ex.means, ex.means.entry_bytes()
     assert algo.ledger.booked == [("up", "mean_data", len(md) * entry)]
-    for cid in (0, 5):
-        own = int((md.owners == cid).sum())
-        for mix_with, received, rows in (("others", len(md) - own, len(md) - own), ("all", len(md), len(md)),
-                                         ("own", None, own)):
-            ctx = SimpleNamespace(cid=cid, ledger=Ledger())
-            got = ex.download(ctx, mix_with)
-            assert len(got) == rows
-            assert ctx.ledger.booked == ([] if received is None else [("down", "mean_data", received * entry)])
-            xs, _ = got.take(torch.arange(rows))
-            is_own = (md.owners == cid).any(1)
-            expect = md.x[is_own] if mix_with == "own" else md.x if mix_with == "all" else md.x[~is_own]
-            assert torch.equal(xs, expect)
+    for rnd in (0, 1):
+        if rnd:  # the same clients again, no refresh: they mix with the copy they kept
+            ex.round_begin(SimpleNamespace(index=1, sampled=[0, 5]))
+        for cid in (0, 5):
+            own = int((md.owners == cid).sum())
+            for mix_with, received, rows in (("others", len(md) - own, len(md) - own), ("all", len(md), len(md)),
+                                             ("own", None, own)):
+                ctx = SimpleNamespace(cid=cid, ledger=Ledger())
+                got = ex.download(ctx, mix_with)
+                assert len(got) == rows
+                booked = [] if received is None or rnd else [("down", "mean_data", received * entry)]
+                assert ctx.ledger.booked == booked
+                xs, _ = got.take(torch.arange(rows))
+                is_own = (md.owners == cid).any(1)
+                expect = md.x[is_own] if mix_with == "own" else md.x if mix_with == "all" else md.x[~is_own]
+                assert torch.equal(xs, expect)
+
+
+class Ledger:
+    def __init__(self):
+        self.down = 0
+
+    def add(self, direction, kind, n):
+        assert direction == "down" and kind == "mean_data"
+        self.down += n
+
+
+def download_ledger(data, opts, rounds, k, comm=None, seed=3, until=None, state=None):
+    """Run the exchange over ``rounds`` with the engine's seeded sampling of ``k`` clients; every
+    sampled client of this rank (cid % size, a stand-in for the engine's assignment) downloads.
+    Returns (bytes booked per round, exchange). ``state``: resume from a state_dict, starting at
+    round ``until[0]``; ``until=(first, last)``: the rounds run."""
+    from fedhpc.engine import sample_clients
+
+    comm = comm or OneRank()
+    algo = SimpleNamespace(data=data, comm=comm, cfg=SimpleNamespace(seed=seed), device=torch.device("cpu"),
+                           flat=SimpleNamespace(flat=torch.zeros(1)), ledger=SimpleNamespace(add=lambda *a: None))
+    ex = MeanDataExchange(algo, opts)
+    if state is not None:
+        ex.load_state_dict(state)
+    first, last = until or (0, rounds)
+    per_round = []
+    for t in range(first, last):
+        sampled = sample_clients(seed, t, data.num_clients, k)
+        ex.round_begin(SimpleNamespace(index=t, sampled=sampled))
+        ledger = Ledger()
+        for cid in sampled:
+            if cid % comm.size == comm.rank:
+                ex.download(SimpleNamespace(cid=cid, ledger=ledger))
+        per_round.append(ledger.down)
+    return per_round, ex
+
+
+def brute_force_downloads(data, opts, rounds, k, seed=3):
+    """Per round: the external bytes of every client sampled for the first time since the last
+    refresh (once: round 0; every_round: every round), each from that round's table."""
+    from fedhpc.engine import sample_clients
+
+    per_round, have = [], set()
+    md = None
+    for t in range(rounds):
+        if md is None or opts.mean_refresh == "every_round":
+            md = exchange_means(data, OneRank(), opts, seed, 0 if opts.mean_refresh == "once" else t)
+            have = set()  # a refresh: nobody holds the new table
+        entry = md.x[0].numel() * 4 + md.y[0].numel() * 4  # float32 input and label means
+        booked = 0
+        for cid in sample_clients(seed, t, data.num_clients, k):
+            if cid not in have:
+                mine = sum(cid in row.tolist() for row in md.owners)  # entries holding its data
+                booked += (len(md) - mine) * entry                    # it never receives those
+                have.add(cid)
+        per_round.append(booked)
+    return per_round
+
+
+@pytest.mark.parametrize("refresh", ["once", "every_round"])
+@pytest.mark.parametrize("server_avg", [1, 3])
+def test_a_client_downloads_the_means_once_per_refresh(cfg_factory, refresh, server_avg):
+    """Alg. 1 sends (Xg, Yg) "if updated": the booked download equals the brute-force count of first
+    samplings after each refresh, times each client's external bytes; one or two ranks, and a run
+    resumed from the exchange's state_dict, book the same."""
+    import io
+
+    data = build(cfg_factory)
+    opts = MeanDataOptions(mean_batch=5, mean_server_avg=server_avg, mean_refresh=refresh)
+    rounds, k = 8, 4
+    expect = brute_force_downloads(data, opts, rounds, k)
+    got, ex = download_ledger(data, opts, rounds, k)
+    assert got == expect
+    if refresh == "once":
+        assert expect[0] > 0 and 0 in expect and sum(b > 0 for b in expect) > 1  # later first samplings
+    else:
+        assert all(b > 0 for b in expect)
+    # a resumed run (the state through torch.save, as the checkpoint stores it) books the same
+    cut, done = 3, download_ledger(data, opts, rounds, k, until=(0, 3))[1]
+    buf = io.BytesIO()
+    torch.save(done.state_dict(), buf)
+    buf.seek(0)
+    rest, _ = download_ledger(data, opts, rounds, k, until=(cut, rounds), state=torch.load(buf))
+    assert got[:cut] + rest == expect
+    # 2 ranks: every rank keeps the same record, and the bytes summed over ranks are the same
+    two = ThreadRanks(2).run(lambda comm: download_ledger(data, opts, rounds, k, comm=comm))
+    assert [a + b for a, b in zip(two[0][0], two[1][0])] == expect
+    assert torch.equal(two[0][1].held, two[1][1].held) and torch.equal(two[0][1].held, ex.held)
 
 
 def test_client_sizes_that_disagree_with_the_clients_are_refused(cfg_factory):

@@ -14,11 +14,16 @@ means too, or only them, as App. D's "Mixup w/ local means" ablation), plus (pro
 (:class:`fedhpc.algorithms.mixing.MixSpace`).
 
 Ledger: parameters as FedAvg; "mean_data" up once per refresh (all clients'
-means, booked once by rank 0 since the ledger is summed over ranks) and down per
-sampled client per round (the external entries it receives). What the client
-holds of those entries is a view of the exchanged table
-(:class:`fedhpc.exchanges.mean_data.ExternalMeans`), so its cost does not grow
-with the number of clients.
+means, booked once by rank 0 since the ledger is summed over ranks) and down once
+per refresh and client, the first round it is sampled after the refresh (the
+external entries it receives): Alg. 1 sends (Xg, Yg) only "if updated", and the
+means are "only exchanged at the beginning of the first communication round"
+(Sec. 3.4), so a client keeps what it received. With ``--mean-refresh every_round``
+that is every round the client is sampled. Which table each client holds is part
+of the checkpoint (:meth:`NaiveMix.state_dict`), so a resumed run books what the
+uninterrupted one does. What the client holds of those entries is a view of the
+exchanged table (:class:`fedhpc.exchanges.mean_data.ExternalMeans`), so its cost
+does not grow with the number of clients.
 
 FedMix (:mod:`fedhpc.algorithms.fedmix`) is this class with the loss of Eq. 5.
 """
@@ -83,6 +88,13 @@ class NaiveMix(Algorithm):
         super().download(ctx)
         ctx.extra["means"] = self.exchange.download(ctx, self.options.mix_with)
         ctx.extra["select_gen"] = ctx.generator("mean_select")
+
+    def state_dict(self):
+        # which mean table each client already holds: the download ledger of later rounds
+        return {"mean_data": self.exchange.state_dict()}
+
+    def load_state_dict(self, state):
+        self.exchange.load_state_dict(state.get("mean_data") or {})
 
     def mix_loss(self, f, x, y, xbar, ybar, lam):
         """The mixing objective on one batch in mixing space (FedMix overrides this)."""

@@ -482,17 +482,30 @@ class MeanDataExchange:
 
     A refresh's upload is booked in ``round_begin`` on rank 0 alone: the ledger is
     summed over ranks, so booking it once gives the true total.
+
+    The download is booked once per refresh and client, the first round the client is
+    sampled after the refresh: Alg. 1 sends (Xg, Yg) to the sampled clients only "if
+    updated", and the means are "only exchanged at the beginning of the first
+    communication round" (Sec. 3.4), so a client keeps the table it received. With
+    ``every_round`` every round is a refresh, so every sampled client downloads. ``held``
+    records, per client, the refresh whose table it holds; it is updated in
+    ``round_begin`` from the round's sampled clients (the same list on every rank), so it
+    is identical on every rank, and it is checkpointed (:meth:`state_dict`).
     """
 
     def __init__(self, algo, opts: MeanDataOptions):
         self.algo, self.opts = algo, opts
         self.means: Optional[MeanData] = None
+        #: (N,) int32: the refresh (round index; 0 with ``once``) whose table each client holds, -1 none
+        self.held: Optional[torch.Tensor] = None
+        #: (N,) bool: the clients not holding the current table before this round; a sampled one receives it
+        self.receives: Optional[torch.Tensor] = None
 
     def round_begin(self, rnd) -> None:
         a, o = self.algo, self.opts
         up = 0
+        refresh = 0 if o.mean_refresh == "once" else rnd.index
         if self.means is None or o.mean_refresh == "every_round":
-            refresh = 0 if o.mean_refresh == "once" else rnd.index
             self.means = None  # the old table goes before the new one is built (peak memory)
             self.means = exchange_means(a.data, a.comm, o, a.cfg.seed, refresh, a.device, a.flat.flat.dtype)
             # 'once' on a resumed run rebuilds what the server already held: nothing is re-sent.
@@ -500,18 +513,34 @@ class MeanDataExchange:
                 up = self.means.uploaded_bytes
         if up and a.comm.rank == 0:
             a.ledger.add("up", "mean_data", up)
+        if self.held is None:
+            self.held = torch.full((a.data.num_clients,), -1, dtype=torch.int32)
+        self.receives = self.held != refresh  # read for the sampled clients only (their download)
+        self.held[torch.as_tensor(rnd.sampled, dtype=torch.long)] = refresh
 
     def download(self, ctx, mix_with: str = "others") -> MeanRows:
         """The entries client ctx.cid mixes with this round; books the bytes in the ledger.
 
         ``others`` (default): the entries holding none of its data, as the paper's server
-        sends them: a view of the table (:class:`ExternalMeans`), not a copy; the ledger
-        books every byte the client would receive. ``all``: every entry, its own included
-        (received in full). ``own``: only its own means (the "Mixup w/ local means"
-        ablation of App. D; nothing is received). Pick rows with ``take(index)``.
+        sends them: a view of the table (:class:`ExternalMeans`), not a copy. ``all``: every
+        entry, its own included. ``own``: only its own means (the "Mixup w/ local means"
+        ablation of App. D; nothing is received). Pick rows with ``take(index)``. The ledger
+        books every byte the client receives, the first round it is sampled after a refresh
+        only (see the class); later rounds it mixes with the copy it kept.
         """
         if mix_with == "own":
             return self.means.own(ctx.cid)
         got = self.means if mix_with == "all" else self.means.external(ctx.cid)
-        ctx.ledger.add("down", "mean_data", got.nbytes())
+        if self.receives[ctx.cid]:
+            ctx.ledger.add("down", "mean_data", got.nbytes())
         return got
+
+    def state_dict(self) -> dict:
+        """Which table every client holds: what the download ledger of later rounds depends on."""
+        return {} if self.held is None else {"held": self.held.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        # A checkpoint from before this record: every client counts as holding nothing, so each
+        # books one more download than the uninterrupted run would (the ledger only).
+        held = state.get("held")
+        self.held = None if held is None else held.to("cpu", torch.int32).clone()
