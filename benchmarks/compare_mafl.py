@@ -27,7 +27,11 @@ from launch_run import run_config  # noqa: E402  the comparisons' one way to run
 
 BASE = os.path.join(REPO, "launch", "fedmix_digits.yaml")
 
-#: algorithm -> its options (lambda / mu as in the paper's CIFAR-10 column of Table 8)
+#: algorithm -> its options: NaiveMix / FedMix lambda and FedProx mu as in the paper's CIFAR-10
+#: column of Table 8. Table 8 gives no lambda for LocalMix / GlobalMix: their 0.1 is this
+#: repository's choice. GlobalMix with this fixed lambda is Table 5's fixed-lambda reference
+#: (CIFAR-10 80.4), not Table 1's Global Mixup (88.2), which drew lambda ~ Beta(alpha, alpha)
+#: each step with an alpha the paper does not report (``mix_alpha``).
 ALGOS = {
     "fedavg": {},
     "fedprox": {"mu": 0.1},

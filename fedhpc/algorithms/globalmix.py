@@ -19,6 +19,14 @@ of inputs and one of (client id, index, label); every rank sorts the pool by
 usual form) or one per batch, seeded by (seed, round, client); partners pass
 through ``data.transform(x, False, None)`` (no augmentation). Fixed l by default,
 ``--mix-alpha`` draws l ~ Beta(alpha, alpha) per batch. Text mixes embeddings.
+
+Which l: the paper gives none for Global Mixup (Table 8 lists l for NaiveMix and
+FedMix only). The default fixed l = 0.1 is Table 5's fixed-l reference (CIFAR-10:
+global mixup 79.4 / 80.4 / 81.1 / 63.6 at l = 0.05 / 0.1 / 0.2 / 0.5). Table 1's
+Global Mixup row (CIFAR-10 88.2) is above every fixed-l value of Table 5, so it is
+not a fixed-l run: mixup's l is "chosen from the beta distribution for each
+training step" (Sec. 3.1), with an alpha the paper does not report. For that row
+use ``--mix-alpha A`` and state the A chosen.
 """
 
 from __future__ import annotations

@@ -4,12 +4,15 @@ Every mini-batch is mixed with a random permutation of itself:
 
     x~ = (1-l) x_i + l x_pi(i),   loss = (1-l) L(f(x~), y_i) + l L(f(x~), y_pi(i))
 
-The paper does not give LocalMix's l. Default: the fixed l = 0.1 (comparable to
-NaiveMix / FedMix's Table 8 values); ``--mix-alpha A > 0`` draws l ~ Beta(A, A)
-per batch instead, as the original mixup does. The draws (permutation and l)
-are seeded by (seed, round, client), independent of ranks. ``prox_mu`` > 0 gives
-"FedProx + LocalMix". Nothing but parameters is exchanged. Text models mix in
-embedding space (:class:`fedhpc.algorithms.mixing.MixSpace`).
+The paper gives no l for LocalMix: Table 8 lists l for NaiveMix and FedMix only,
+and Sec. 3.1 describes mixup's l as "chosen from the beta distribution for each
+training step", with no alpha reported. Default: a fixed l = 0.1, this repository's
+choice (the size of NaiveMix / FedMix's Table 8 values), not a value from the paper;
+``--mix-alpha A > 0`` draws l ~ Beta(A, A) per batch instead, as mixup does (state
+the A used). The draws (permutation and l) are seeded by (seed, round, client),
+independent of ranks. ``prox_mu`` > 0 gives "FedProx + LocalMix". Nothing but
+parameters is exchanged. Text models mix in embedding space
+(:class:`fedhpc.algorithms.mixing.MixSpace`).
 """
 
 from __future__ import annotations
