@@ -77,6 +77,26 @@ def test_power_iteration_gives_the_top_singular_value():
     assert float(s.detach().max()) < 1e-12 and torch.isfinite(z.grad).all()
 
 
+@pytest.mark.parametrize("m,n", [(7, 5), (128, 256), (32, 64)])
+def test_power_iteration_starts_from_a_unit_vector(m, n):
+    """One step gives sqrt(||X X^T 1|| / sqrt(m)) (the unit start 1/sqrt(m) written out),
+    a lower bound on sigma_max; an unnormalised start would give m^(1/4) times that,
+    above sigma_max (3.4x at ResNet-56's 128 rows). Later steps never decrease and
+    never pass sigma_max, and 10 steps reach it."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.rand(4, m, n, generator=g, dtype=torch.float64)  # non-negative, as after ReLU
+    exact = torch.linalg.svdvals(x)[:, 0]
+    one = top_singular_value(x, 1)
+    closed = torch.stack([(xb @ (xb.T @ torch.ones(m, dtype=torch.float64))).norm().div(math.sqrt(m)).sqrt()
+                          for xb in x])
+    assert torch.allclose(one, closed, rtol=1e-12)
+    assert (one <= exact * (1 + 1e-12)).all()
+    assert (closed * m ** 0.25 > exact).all(), "the unnormalised start overestimates, so the check can fail"
+    steps = torch.stack([top_singular_value(x, k) for k in range(1, 11)])
+    assert (steps[1:] >= steps[:-1] * (1 - 1e-12)).all() and (steps <= exact * (1 + 1e-12)).all()
+    assert torch.allclose(steps[-1], exact, rtol=1e-6)
+
+
 def _fedalign_terms(model, x, y, width, student_input, iters=300):
     logits, feats = model(x, return_features=True)
     f_in, f_out = feats["last_block_in"].detach(), feats["last_block_out"].detach()
@@ -252,6 +272,22 @@ def test_stochastic_depth_rates_follow_the_linear_decay_and_the_seeded_stream():
     assert torch.equal(a, model(x))
 
 
+def test_stochastic_depth_schedule_is_the_papers_not_the_authors_code():
+    """The docstring's numbers: on ResNet-56 (18 blocks) ``--final-keep-prob 0.5`` puts block 1 at
+    1 - 0.5/18 and keeps L - (1 - rho_L)(L + 1)/2 = 13.25 blocks in expectation; the authors'
+    schedule (block 1 at 1.0, steps of (1 - rho_L)/(L - 1)) keeps L - (1 - rho_L) L/2 = 13.5."""
+    model = build_model("resnet56", (3, 32, 32), 100)
+    model.set_stochastic_depth(0.5)
+    keep = [b.keep_prob for b in model.blocks]
+    n = len(keep)
+    assert n == 18
+    assert keep[0] == pytest.approx(1 - 0.5 / 18) and keep[-1] == pytest.approx(0.5)
+    assert sum(keep) == pytest.approx(18 - 0.5 * 19 / 2) == pytest.approx(13.25)
+    authors = [1.0 - l * 0.5 / (n - 1) for l in range(n)]
+    assert authors[0] == 1.0 and authors[-1] == pytest.approx(0.5)
+    assert sum(authors) == pytest.approx(13.5) and keep != pytest.approx(authors)
+
+
 # ----------------------------------------------------------------------------- GradAug
 
 def test_gradaug_width_and_resolution_draws():
@@ -407,7 +443,8 @@ def test_client_models_are_saved_at_the_chosen_rounds(tmp_path, algo):
 def test_launch_configs_hold_the_papers_settings():
     here = os.path.join(os.path.dirname(__file__), "..", "launch")
     main = parse_args(["--config", os.path.join(here, "fedalign_cifar100.yaml")])[0]
-    assert (main.algo, main.dataset, main.model, main.partition) == ("fedalign", "cifar100", "resnet56", "dirichlet:0.5")
+    assert (main.algo, main.dataset, main.model, main.partition) == ("fedalign", "cifar100", "resnet56",
+                                                                      "dirichlet_capped:0.5")
     assert (main.num_clients, main.clients_per_round, main.rounds, main.local_epochs, main.batch_size) == (16, 16, 25, 20, 64)
     assert (main.lr, main.momentum, main.weight_decay, main.optimizer, main.nesterov) == (0.01, 0.9, 1e-4, "sgd", True)
     assert main.algo_options["mu"] == 0.45 and main.algo_options["width"] == 0.25
@@ -417,3 +454,8 @@ def test_launch_configs_hold_the_papers_settings():
     for name in ("fedalign_digits.yaml", "fedalign_digits_fedavg.yaml"):
         cfg = parse_args(["--config", os.path.join(here, name)])[0]
         assert cfg.dataset == "digits" and cfg.model == "resnet_digits"
+    # every row of the study partitions by the rule of the authors' code (FedML's capped Dir(0.5))
+    study = sorted(f for f in os.listdir(here) if f.startswith("fedalign_") and "digits" not in f)
+    assert len(study) == 21
+    for name in study:
+        assert parse_args(["--config", os.path.join(here, name)])[0].partition == "dirichlet_capped:0.5", name

@@ -14,7 +14,8 @@ def assert_exact_cover(parts, n):
     assert len(np.unique(allidx)) == n, "no sample assigned twice"
 
 
-@pytest.mark.parametrize("spec", ["iid", "dirichlet:0.3", "dirichlet:5", "classes:2", "classes:3", "classes:10"])
+@pytest.mark.parametrize("spec", ["iid", "dirichlet:0.3", "dirichlet:5", "dirichlet_capped:0.3", "dirichlet_capped:5",
+                                  "dirichlet_capped:0.1:1", "classes:2", "classes:3", "classes:10"])
 def test_every_sample_exactly_once(spec):
     parts = make_partition(spec, LABELS, 10, seed=1)
     assert len(parts) == 10
@@ -216,3 +217,147 @@ def test_bad_classes_specs_are_refused(spec, err):
 def test_partition_help_names_both_classes_schemes():
     from fedhpc.data.partition import partition_help
     assert "classes:K" in partition_help() and "classes_cyclic:K" in partition_help()
+
+
+# ----------------------------------------------------------------- dirichlet_capped (FedML's rule)
+
+CIFAR_LIKE = np.repeat(np.arange(10), 500)  # CIFAR-10's 10 balanced classes, a tenth of the size
+np.random.default_rng(3).shuffle(CIFAR_LIKE)
+
+
+def capped_by_hand(labels, n, seed, alpha, minimum):
+    """The rule as stated, one client and one class at a time: per class (label order) shuffle
+    its indices and draw p ~ Dir(alpha); p_j = 0 where client j holds >= N/n; renormalise; cut
+    at round(cumulative share * class size). Repeat the whole draw until every client holds
+    >= minimum. Same generator and draw order as make_partition. Returns (parts, draws)."""
+    rng = np.random.default_rng([seed, 0xDA7A])
+    total = len(labels)
+    draws = 0
+    while True:
+        draws += 1
+        clients = [[] for _ in range(n)]
+        for c in sorted(set(labels.tolist())):
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            p = rng.dirichlet([alpha] * n)
+            p = [0.0 if len(clients[j]) >= total / n else float(p[j]) for j in range(n)]
+            mass = sum(p)
+            start, cum = 0, 0.0
+            for j in range(n):
+                cum += p[j] / mass
+                end = len(idx) if j == n - 1 else int(round(cum * len(idx)))
+                clients[j].extend(idx[start:end].tolist())
+                start = end
+        if min(len(c) for c in clients) >= minimum:
+            return [np.array(sorted(c), dtype=np.int64) for c in clients], draws
+
+
+@pytest.mark.parametrize("alpha,n,minimum,seed,redrawn", [
+    (0.5, 16, 10, 0, True), (0.5, 16, 10, 1, False), (0.1, 16, 10, 1, True), (0.1, 7, 40, 5, True),
+    (2.0, 13, 1, 4, False), (1.0, 20, 10, 0, True), (0.5, 10, 10, 1, False),
+])
+def test_dirichlet_capped_is_the_rule_as_stated(alpha, n, minimum, seed, redrawn):
+    spec = f"dirichlet_capped:{alpha}" + ("" if minimum == 10 else f":{minimum}")
+    parts = make_partition(spec, LABELS, n, seed)
+    want, draws = capped_by_hand(LABELS, n, seed, alpha, minimum)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, want))
+    # The cases cover both paths: a first draw kept, and draws thrown away (3 and 16 of them);
+    # at 20 and 10 clients N/n is whole (25, 50) and clients land exactly on it, where the cap
+    # (size >= N/n) and a strict one (size > N/n) part ways.
+    assert (draws > 1) == redrawn
+
+
+def capped_excess(parts, labels):
+    """Per client: its size minus its chunk of the last class (in label order) it received.
+    The rule only hands a class to a client under N/n, so this must stay below N/n."""
+    out = []
+    for p in parts:
+        counts = np.bincount(labels[p], minlength=labels.max() + 1)
+        held = np.flatnonzero(counts)
+        out.append(len(p) - counts[held[-1]] if len(held) else 0)  # the plain rule can leave a client empty
+    return np.array(out)
+
+
+@pytest.mark.parametrize("alpha,n", [(0.1, 16), (0.5, 16), (0.5, 7), (2.0, 30), (1.0, 20)])
+def test_dirichlet_capped_cap_minimum_and_cover(alpha, n):
+    total = len(CIFAR_LIKE)
+    broke_cap = False
+    for seed in range(6):
+        parts = make_partition(f"dirichlet_capped:{alpha}", CIFAR_LIKE, n, seed)
+        assert len(parts) == n
+        assert_exact_cover(parts, total)
+        assert min(len(p) for p in parts) >= 10
+        assert (capped_excess(parts, CIFAR_LIKE) * n < total).all()  # integer form of < N/n
+        # nor can a client exceed N/n by more than one class's samples
+        assert max(len(p) for p in parts) < total / n + 500
+        plain = make_partition(f"dirichlet:{alpha}", CIFAR_LIKE, n, seed, min_samples=0)
+        broke_cap |= bool((capped_excess(plain, CIFAR_LIKE) * n >= total).any())
+    if alpha <= 0.5:  # the uncapped rule breaks the bound, so the check above can fail
+        assert broke_cap
+
+
+def test_dirichlet_capped_balances_sizes_more_than_the_plain_rule():
+    """16 clients at alpha 0.5 on 10 balanced classes (FedAlign's CIFAR-10 setting): the mean
+    coefficient of variation of client sizes over these 10 seeds is 0.25 capped and 0.43
+    plain (on the full CIFAR-10 over 100 seeds: 0.27 and 0.40); per-seed sd about 0.05, so
+    the mean of 10 has sd about 0.017 and the 0.8 factor leaves a margin of 5 sd."""
+    def mean_cv(spec):
+        cvs = []
+        for seed in range(10):
+            sizes = np.array([len(p) for p in make_partition(spec, CIFAR_LIKE, 16, seed, min_samples=0)])
+            cvs.append(sizes.std() / sizes.mean())
+        return float(np.mean(cvs))
+    capped, plain = mean_cv("dirichlet_capped:0.5"), mean_cv("dirichlet:0.5")
+    assert capped < 0.8 * plain, (capped, plain)
+    assert 0.18 < capped < 0.33 and 0.33 < plain < 0.52, (capped, plain)
+
+
+def test_dirichlet_capped_is_seeded():
+    a = make_partition("dirichlet_capped:0.5", CIFAR_LIKE, 16, seed=5)
+    b = make_partition("dirichlet_capped:0.5", CIFAR_LIKE, 16, seed=5)
+    c = make_partition("dirichlet_capped:0.5", CIFAR_LIKE, 16, seed=6)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_dirichlet_capped_redraws_up_to_the_callers_minimum():
+    """The redraw aims at max(MIN, min_samples): with MIN = 1 this seed leaves a client under 5
+    samples, and the caller's min_samples = 5 gives exactly dirichlet_capped:0.1:5 instead of a
+    DataError."""
+    short = make_partition("dirichlet_capped:0.1:1", LABELS, 16, seed=0)
+    assert min(len(p) for p in short) < 5
+    floored = make_partition("dirichlet_capped:0.1:1", LABELS, 16, seed=0, min_samples=5)
+    assert min(len(p) for p in floored) >= 5
+    assert all(np.array_equal(x, y) for x, y in zip(floored, make_partition("dirichlet_capped:0.1:5", LABELS, 16, 0)))
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("dirichlet_capped:abc", "positive number"), ("dirichlet_capped:-1", "positive alpha"),
+    ("dirichlet_capped:inf", "finite alpha"), ("dirichlet_capped:0.5:x", "MIN a whole number"),
+    ("dirichlet_capped:0.5:0", "MIN >= 1"), ("dirichlet_capped", "positive number"),
+])
+def test_bad_dirichlet_capped_specs_are_refused_before_any_data(spec, words):
+    from fedhpc.data.partition import check_partition
+    for call in (lambda: check_partition(spec), lambda: make_partition(spec, LABELS, 10, seed=0)):
+        with pytest.raises(ConfigError, match="dirichlet_capped") as e:
+            call()
+        assert words in str(e.value)
+
+
+def test_dirichlet_capped_refuses_a_minimum_it_cannot_meet(monkeypatch):
+    import fedhpc.data.partition as partition
+    with pytest.raises(ConfigError, match=r"cannot give 51 clients at least 10 .*lower MIN.*fewer clients"):
+        make_partition("dirichlet_capped:0.5", LABELS, 51, seed=0)
+    # 50 clients x 10 = the whole pool: possible only if every client gets exactly 10, which
+    # no draw achieves; the loop stops after CAPPED_ATTEMPTS draws with the fix
+    draws = []
+    real = partition._capped_draw
+    monkeypatch.setattr(partition, "CAPPED_ATTEMPTS", 25)
+    monkeypatch.setattr(partition, "_capped_draw", lambda *a: draws.append(1) or real(*a))
+    with pytest.raises(ConfigError, match=r"25 draws .*fewer than 10 .*lower MIN.*fewer clients"):
+        make_partition("dirichlet_capped:0.5", LABELS, 50, seed=0)
+    assert len(draws) == 25
+
+
+def test_partition_help_names_dirichlet_capped():
+    from fedhpc.data.partition import partition_help
+    assert "dirichlet_capped:ALPHA[:MIN]" in partition_help() and "dirichlet:ALPHA" in partition_help()

@@ -3,8 +3,11 @@
 Residual block l outputs zeta_l = sigma(lambda_l F_l(zeta_{l-1}) + I(zeta_{l-1})) with
 lambda_l ~ Bernoulli(rho_l) in training and lambda_l = rho_l at evaluation (the
 expectation, Huang et al. Eq. 5), and the keep probabilities decay linearly over the
-L blocks: rho_l = 1 - (l / L)(1 - rho_L). The study's rho_L is 0.9 (the authors'
-code decays to 0.5: ``--final-keep-prob 0.5``). One draw per block per batch, for
+L blocks: rho_l = 1 - (l / L)(1 - rho_L) (the paper's rule, Sec. 3.1). The study's
+rho_L is 0.9. The authors' code ends at 0.5 on another schedule: block 1 at 1.0, then
+steps of (1 - rho_L) / (L - 1), so ``--final-keep-prob 0.5`` does not reproduce it. On
+ResNet-56's 18 blocks that flag puts block 1 at 1 - 0.5/18 = 0.972 (theirs 1.0) and
+keeps 13.25 blocks in expectation (theirs 13.50). One draw per block per batch, for
 the whole batch, from a generator seeded by (seed, round, client) (the
 ``"stochdepth"`` stream: one ``torch.rand(())`` per block in block order, batch
 after batch). Everything else is FedAvg; the global model is evaluated with the
@@ -23,7 +26,8 @@ from .local_reg import LocalRegAlgorithm, LocalRegOptions, require_resnet
 @dataclass
 class StochDepthOptions(LocalRegOptions):
     final_keep_prob: float = field(default=0.9, metadata={
-        "help": "keep probability rho_L of the last residual block (paper 0.9; authors' code 0.5)"})
+        "help": "keep probability rho_L of the last residual block (paper 0.9; authors' code 0.5, "
+                "on a schedule that keeps block 1 at 1.0)"})
 
     def validate(self):
         super().validate()

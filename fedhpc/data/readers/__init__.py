@@ -19,7 +19,7 @@ shakespeare     natural: TFF HDF5 (shakespeare_*.h5) or LEAF JSON, <data_dir>/sh
 imagenet200     HDF5 written by ``python -m fedhpc.data.prepare imagenet200``
 ==============  =====================================================================
 
-Partitions: every dataset takes the synthetic partitions (iid, dirichlet:A,
+Partitions: every dataset takes the synthetic partitions (iid, dirichlet:A, dirichlet_capped:A,
 classes:K, skewed:M:A:B / mix2fld). The naturally federated ones also take
 ``natural`` (one client per writer / speaking role); an empty, ``auto`` or
 ``default`` partition means ``natural`` for them and ``iid`` for the others.

@@ -48,7 +48,7 @@ def _natural_needs_writers(labels, n, rng, arg):
     raise DataError(
         "partition 'natural' keeps each writer's data as one client, so it needs a naturally "
         "federated dataset (femnist, cifar100_tff, shakespeare); for this dataset use iid, "
-        "dirichlet:ALPHA, classes:K or skewed:M:A:B"
+        "dirichlet:ALPHA, dirichlet_capped:ALPHA, classes:K or skewed:M:A:B"
     )
 
 
