@@ -83,7 +83,7 @@ class RunConfig:
     channel: str = field(default="none", metadata={"help": "wireless channel model (Mix2FLD Sec. II-C): none | symmetric | asymmetric; parameters with --channel-opt k=v"})
     save_client_models: str = field(default="", metadata={"help": "save every trained client model at these rounds ('last', '5,25'; empty = none) under OUT/client_models/ for python -m fedhpc.analysis.hessian"})
     per_label_accuracy: bool = field(default=False, metadata={"help": "also report each label's accuracy on the global test set (test_accuracy_label<c>; XorMixFL's target labels)"})
-    stop_epsilon: float = field(default=0.0, metadata={"help": "stop when the global state's relative change |G_p - G_p-1| / |G_p-1| (the global outputs for FD methods, the model's parameters otherwise) falls below this (Mix2FLD; 0 = off)"})
+    stop_epsilon: float = field(default=0.0, metadata={"help": "stop when the global state's relative change falls below this (Mix2FLD; 0 = off): for FD methods (fd, fld, mixfld, mix2fld) the largest over labels n of |G_out,n^p - G_out,n^p-1| / |G_out,n^p-1| (the paper's 'for all n'), otherwise |G_p - G_p-1| / |G_p-1| over the model's parameters"})
     algo_options: Dict[str, Any] = field(default_factory=dict)
     data_options: Dict[str, Any] = field(default_factory=dict)
     model_options: Dict[str, Any] = field(default_factory=dict)

@@ -370,16 +370,20 @@ class Engine(Evaluation, RunLog):
         }
 
     def _relative_change(self) -> Optional[float]:
-        """|G_p - G_p-1| / |G_p-1| of the algorithm's global quantity (Mix2FLD's stopping rule)."""
+        """The relative change of the algorithm's global quantity since the last round with an
+        update (Mix2FLD's stopping rule), as the algorithm measures it (``Algorithm.relative_change``:
+        the whole state's ratio by default, the largest per-label one for FD methods)."""
         now = self.algo.convergence_state(self.global_state)
         if now is None:
             return None
         now = now.detach().double()
+        # The whole previous state is kept (and checkpointed), not a norm: a per-label rule
+        # needs every row of it, and a resumed run then compares exactly what it would have.
         before, self._previous_convergence_state = self._previous_convergence_state, now.clone()
         # another length: a checkpoint from a version that measured BatchNorm statistics too
         if before is None or before.shape != now.shape:
             return None
-        return float((now - before).norm() / before.norm().clamp_min(1e-30))
+        return float(self.algo.relative_change(before.to(now.device), now))
 
     def _to_device(self, c: ClientData) -> ClientData:
         """The training part on the device; the local test split stays where it is (evaluation

@@ -24,11 +24,16 @@ FAMILY_ARGV = ["--server-steps", "6", "--server-batch", "16", "--seeds-per-devic
                "--inverse-per-device", "4", "--beta", "0.5"]
 
 
-def fld_round(eng):
+def fld_round(eng, arrived=None):
+    """Round 1 by hand. ``arrived``: the devices whose round-1 upload got through the channel
+    (--seed-delivery channel: the server has only their tables and their seeds); None: every
+    sampled device's table arrives and every device's seeds do (--seed-delivery always)."""
     cfg, algo, C = eng.cfg, eng.algo, eng.data.num_classes
     sampled = sample_clients(cfg.seed, 0, eng.data.num_clients, cfg.clients_per_round)
     tables, present = [], []
     for cid in sampled:
+        if arrived is not None and cid not in arrived:
+            continue
         c = eng.data.client(cid)
         m = start_model(eng)
         sums, counts = torch.zeros(C, C, dtype=torch.float64), torch.zeros(C, dtype=torch.float64)
@@ -53,10 +58,13 @@ def fld_round(eng):
             g[n], has[n] = sum(rows) / len(rows), True
 
     # the server's samples, from the algorithm's own (separately tested) seed functions
-    local = {cid: algo.make_seeds(cid) for cid in range(eng.data.num_clients)}
-    samples = algo.server_samples(SeedSet.cat([local[c] for c in sorted(local)]))
+    delivering = range(eng.data.num_clients) if arrived is None else sorted(arrived)
+    local = {cid: algo.make_seeds(cid) for cid in delivering}
     o = algo.options
     m = start_model(eng)
+    samples = algo.server_samples(SeedSet.cat([local[c] for c in sorted(local)])) if local else []
+    if len(samples) == 0 or not has.any():  # no sample or no table at the server: no conversion
+        return {"global_state": flat_of(eng, m), "teacher": g}
     tcfg = ServerTrainConfig(steps=o.server_steps, batch_size=min(o.server_batch, len(samples)),
                              micro_batch=o.server_micro_batch, lr=o.server_lr)
     sx, sy = samples.x.double(), samples.y.double()

@@ -266,3 +266,27 @@ def test_valid_edge_options_and_unknown_mode():
     ChannelOptions(t_max_s=2e-3).validate()                  # one slot per direction
     with pytest.raises(ConfigError, match="asymmetric"):
         Channel("fading", ChannelOptions(), seed=0)
+
+
+def test_fl_uploads_and_50_seed_round1_uploads_are_lost_under_both_paper_settings():
+    """The module docstring's arithmetic: the symmetric setting raises P^up (so the slot success
+    probability), not the 4,000 bits a slot carries, so FL's 401,408 bits (101 good slots) never
+    fit the 50-slot budget under either setting, nor the 100 of ``full``; nor does FLD's round-1
+    upload of N_S = 50 MNIST seeds (80 good slots), while N_S = 10 (17 good slots) passes."""
+    seeds = lambda n_s, label_bytes: TABLE_BITS / 8 + n_s * (784 + label_bytes)  # noqa: E731
+    for mode in ("asymmetric", "symmetric"):
+        for budget in ("half", "full"):
+            ch = Channel(mode, ChannelOptions(direction_budget=budget), seed=0)
+            assert ch.bits_per_slot("up", 10) == pytest.approx(4_000)
+            assert ch.good_slots_needed(MODEL_BITS / 8, "up", 10) == 101 > ch.budget
+            assert ch.outage_probability("up", MODEL_BITS / 8, 10) == 1.0
+            assert not any(ch.uplink(t, d, MODEL_BITS / 8, 10).ok for t in range(20) for d in range(10))
+        ch = Channel(mode, ChannelOptions(), seed=0)
+        for label_bytes in (1, 2):  # FLD's raw seeds, MixFLD / Mix2FLD's mixed ones
+            assert ch.good_slots_needed(seeds(50, label_bytes), "up", 10) == 80 > ch.budget == 50
+            assert ch.outage_probability("up", seeds(50, label_bytes), 10) == 1.0
+            assert ch.good_slots_needed(seeds(10, label_bytes), "up", 10) == 17
+            assert ch.outage_probability("up", seeds(10, label_bytes), 10) < 1e-20
+    # what FL would need: 101 uplink slots per direction
+    wide = Channel("symmetric", ChannelOptions(t_max_s=0.202), seed=0)
+    assert wide.budget == 101 and wide.outage_probability("up", MODEL_BITS / 8, 10) < 1.0

@@ -140,3 +140,26 @@ def test_mix2fld_under_the_channel_gives_the_same_run_on_one_and_two_ranks(tmp_p
     for key in ("uplink_outages", "downlink_outages", "reference_device_accuracy", "local_test_accuracy",
                 "sample_privacy_server", "bytes_up_seeds"):
         assert [r[key] for r in rows[0]] == pytest.approx([r[key] for r in rows[1]], abs=1e-9), key
+
+
+def test_mix2fld_with_seeds_lost_to_the_channel_gives_the_same_run_on_one_and_two_ranks(tmp_path):
+    """--seed-delivery channel: whose round-1 upload (and seeds) arrived comes from the round's
+    sum, so the server set, and so the run, is the same on any number of ranks. One shared uplink
+    channel and 8 slots per direction at P_up 12 dBm: some round-1 uploads (2 good slots) fail."""
+    args = FAST + ["--algo", "mix2fld", "--channel", "asymmetric", "--server-steps", "20",
+                   "--seeds-per-device", "4", "--inverse-per-device", "4", "--client-test-fraction", "0.2",
+                   "--num-clients", "6", "--clients-per-round", "6", "--seed", "2", "--seed-delivery", "channel",
+                   "--channel-opt", "num_channels=1", "--channel-opt", "t_max_s=0.016", "--channel-opt", "p_up_dbm=12"]
+    outs = []
+    for ranks in (1, 2):
+        out = str(tmp_path / f"r{ranks}")
+        p = launch(args + ["--out", out], ranks=ranks)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs.append(out)
+    rows = [[json.loads(line) for line in open(os.path.join(o, "metrics.jsonl"))] for o in outs]
+    assert 0 < rows[0][0]["seeds_delivered"] < rows[0][0]["seeds_uploaded"], "some seeds must be lost"
+    assert rows[0][0]["server_samples"] > 0
+    assert max_diff(final_weights(outs[0]), final_weights(outs[1])) == 0  # bit for bit
+    for key in ("uplink_outages", "downlink_outages", "seeds_delivered", "server_samples", "sample_privacy_server",
+                "relative_change", "reference_device_accuracy", "local_test_accuracy"):
+        assert [r.get(key) for r in rows[0]] == pytest.approx([r.get(key) for r in rows[1]], abs=1e-9), key

@@ -1,15 +1,22 @@
-"""The FLD family through the engine: what crosses the network by kind, and the privacy audit."""
+"""The FLD family through the engine: what crosses the network by kind, the privacy audit,
+the per-label stopping rule of FD / FLD, and which seeds reach the server (--seed-delivery)."""
+
+import json
+import math
+import os
 
 import pytest
 import torch
 
+from fedhpc.algorithms.fd import label_relative_change
 from fedhpc.config import parse_args
+from fedhpc.errors import ConfigError
 from fedhpc.engine import Engine
 from fedhpc.world import World
 
-ARGS = ["--dataset", "digits", "--model", "mlp", "--num-clients", "5", "--clients-per-round", "5",
-        "--rounds", "2", "--threads", "1", "--quiet", "--no-tensorboard", "--server-steps", "3",
-        "--seeds-per-device", "4", "--inverse-per-device", "6", "--partition", "iid"]
+COMMON = ["--dataset", "digits", "--model", "mlp", "--num-clients", "5", "--clients-per-round", "5",
+          "--rounds", "2", "--threads", "1", "--quiet", "--no-tensorboard", "--partition", "iid"]
+ARGS = COMMON + ["--server-steps", "3", "--seeds-per-device", "4", "--inverse-per-device", "6"]
 
 
 def run_two_rounds(algo):
@@ -50,3 +57,248 @@ def test_mix2fld_inverts_seeds_mixed_from_three_samples():
     s = eng.algo.server_set
     assert len(s) == 30 and torch.equal(s.y.max(1).values, torch.ones(30))  # hard labels
     assert s.source_cid.shape[1] == 9  # 3 parent seeds of 3 raw samples each
+
+
+# ----------------------------------------------------------------------------- stopping rule (--stop-epsilon)
+
+def brute_label_change(before, after):
+    """max_n |G_n^p - G_n^p-1| / |G_n^p-1|, one row and one entry at a time; a row that was zero
+    counts 0 while it stays zero and infinity once it is not (fedhpc.algorithms.fd's reading)."""
+    worst = 0.0
+    for n in range(before.shape[0]):
+        d = math.sqrt(sum((float(a) - float(b)) ** 2 for a, b in zip(after[n], before[n])))
+        b = math.sqrt(sum(float(v) ** 2 for v in before[n]))
+        worst = max(worst, (0.0 if d == 0 else math.inf) if b == 0 else d / b)
+    return worst
+
+
+def near_one_hot(C=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.eye(C, dtype=torch.float64) * 0.9 + torch.rand(C, C, generator=g, dtype=torch.float64) * 0.01
+    return t / t.sum(1, keepdim=True)
+
+
+def test_label_relative_change_is_the_largest_row_ratio_of_a_brute_force_loop():
+    before = near_one_hot()
+    g = torch.Generator().manual_seed(1)
+    after = (before + 0.03 * torch.rand(10, 10, generator=g, dtype=torch.float64)).abs()
+    assert label_relative_change(before, after) == pytest.approx(brute_label_change(before, after), rel=1e-12)
+    # rows without a global output: a label nobody holds (zero -> zero) does not block; a label
+    # heard of for the first time (zero -> row) is not converged; one whose uploads were lost
+    # (row -> zero) changed by 100%
+    still = before.clone(); still[4] = 0
+    s_after = still.clone(); s_after[0] *= 1.001
+    assert label_relative_change(still, s_after) == pytest.approx(brute_label_change(still, s_after), rel=1e-12)
+    assert 0 < label_relative_change(still, s_after) < 0.01
+    appears = still.clone(); appears[4] = before[4]
+    assert label_relative_change(still, appears) == math.inf == brute_label_change(still, appears)
+    assert label_relative_change(before, still) == pytest.approx(1.0) == brute_label_change(before, still)
+    zero = torch.zeros(10, 10, dtype=torch.float64)
+    assert label_relative_change(zero, zero) == 0.0  # never NaN
+
+
+@pytest.mark.parametrize("algo", ["fd", "fld"])
+def test_stop_epsilon_is_not_met_while_one_label_still_moves(algo):
+    """Mix2FLD l.95 / Alg. 1 line 2: "< epsilon for all n". A table whose Frobenius ratio is
+    below epsilon while one label's row moved by more must not stop the run (it did when the
+    engine compared the whole table)."""
+    before = near_one_hot()
+    moved = before.clone()
+    moved[3] += torch.tensor([0.05, -0.05] + [0.0] * 8, dtype=torch.float64)  # one label's row
+    eps = 0.05
+    whole = float((moved - before).norm() / before.norm())
+    assert whole < eps < brute_label_change(before, moved), "the tables must separate the two rules"
+    settled = before.clone()
+    settled[3] += torch.tensor([0.01, -0.01] + [0.0] * 8, dtype=torch.float64)
+    assert brute_label_change(before, settled) < eps
+    for table, converges in ((moved, False), (settled, True)):
+        cfg, ao, do = parse_args(["--algo", algo, *(ARGS if algo == "fld" else COMMON), "--rounds", "3",
+                                  "--stop-epsilon", str(eps)])
+        eng = Engine(cfg, ao, do, World(threads=1))
+        eng._previous_convergence_state = before.clone()  # the last round's G_out
+        aggregate = eng.algo.aggregate
+
+        def aggregate_then_set(global_state, totals, weight_total, rnd, table=table):
+            out = aggregate(global_state, totals, weight_total, rnd)
+            eng.algo.teacher = (table.clone(), torch.ones(10, dtype=torch.float64))  # this round's G_out
+            return out
+
+        eng.algo.aggregate = aggregate_then_set
+        m = eng.run_round(0)
+        assert m["relative_change"] == pytest.approx(brute_label_change(before, table), rel=1e-9)
+        assert m.get("converged", False) is converges, (algo, m["relative_change"])
+
+
+def test_fd_logs_the_largest_label_change_and_a_resumed_run_logs_the_same(tmp_path):
+    """Each round's relative_change is the brute-force largest row ratio of consecutive G_out
+    tables; the checkpoint keeps the whole previous table, so a run interrupted after round 2
+    and resumed logs what the uninterrupted run logs."""
+    from standard_runner import run_case
+    from fedhpc.engine import Preempted
+
+    argv = ["--algo", "fd", *COMMON, "--rounds", "4", "--partition", "dirichlet:0.5", "--clients-per-round", "3",
+            "--stop-epsilon", "1e-9", "--checkpoint-every", "1"]
+    tables = []
+    cfg, ao, do = parse_args(argv)
+    eng = Engine(cfg, ao, do, World(threads=1))
+    run_round = eng.run_round
+
+    def spy(t):
+        m = run_round(t)
+        tables.append(eng.algo.teacher[0].double().clone())
+        return m
+
+    eng.run_round = spy
+    rows = []
+    eng._log = lambda metrics, echo=True: rows.append(dict(metrics))
+    eng.run()
+    assert [r["round"] for r in rows] == [1, 2, 3, 4] and "relative_change" not in rows[0]
+    for t in range(1, 4):
+        assert rows[t]["relative_change"] == pytest.approx(brute_label_change(tables[t - 1], tables[t]), rel=1e-9)
+
+    out, uninterrupted = str(tmp_path / "run"), str(tmp_path / "whole")
+    run_case(argv + ["--out", uninterrupted], World(threads=1))
+    whole = [json.loads(line) for line in open(os.path.join(uninterrupted, "metrics.jsonl"))]
+    with pytest.raises(Preempted):
+        run_case(argv + ["--out", out], World(threads=1), interrupt_after=2)
+    run_case(argv + ["--out", out, "--resume"], World(threads=1))
+    resumed = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r.get("relative_change") for r in resumed] == [r.get("relative_change") for r in whole]
+    assert [r.get("relative_change") for r in whole][1:] == pytest.approx([r["relative_change"] for r in rows[1:]])
+
+
+
+# ----------------------------------------------------------------------------- which seeds arrive (--seed-delivery)
+
+# 6 devices, all in every round; one uplink channel shared by 6: 416 bytes per good slot, so a
+# round-1 upload (400-byte table + 4 seeds of 64 pixels and 1-2 label bytes) needs 2 good slots
+# and a later one 1.
+CHANNEL = ["--dataset", "digits", "--model", "mlp", "--num-clients", "6", "--clients-per-round", "6",
+           "--lr", "0.1", "--seed", "2", "--threads", "1", "--quiet", "--no-tensorboard", "--client-test-fraction", "0",
+           "--channel", "asymmetric", "--channel-opt", "num_channels=1"]
+# 8 slots per direction and P_up 12 dBm: round 1's uplinks of devices 0, 2, 3 get through (seed 2)
+SOME_LOST = CHANNEL + ["--channel-opt", "t_max_s=0.016", "--channel-opt", "p_up_dbm=12"]
+# 1 slot per direction: no round-1 upload fits (2 good slots needed), most later ones do
+ALL_LOST = CHANNEL + ["--channel-opt", "t_max_s=0.002"]
+
+
+def channel_engine(algo, argv, delivery, *extra):
+    from reference_steps_mix2fld import FAMILY_ARGV
+    cfg, ao, do = parse_args(["--algo", algo, *argv, *FAMILY_ARGV, "--seed-delivery", delivery, *extra])
+    return Engine(cfg, ao, do, World(threads=1))
+
+
+def delivered_by_the_channel(eng, label_ids):
+    """Brute force from the channel's own draws: the devices whose round-1 upload (the table plus
+    their seeds, counted here from the sizes) has no outage."""
+    from fedhpc.server.channel import Channel, ChannelOptions
+    cfg = eng.cfg
+    ch = Channel(cfg.channel, ChannelOptions(**cfg.channel_options), cfg.seed)
+    C, pixels, n_s = eng.data.num_classes, 64, eng.algo.options.seeds_per_device
+    payload = C * C * 4 + n_s * (pixels + label_ids)
+    return [cid for cid in range(6) if ch.uplink(0, cid, payload, 6).ok]
+
+
+@pytest.mark.parametrize("algo", ["fld", "mix2fld"])
+def test_seed_delivery_channel_uses_exactly_the_seeds_of_the_devices_whose_round1_upload_arrived(algo):
+    from fedhpc.algorithms.base import derive_seed
+    from fedhpc.exchanges.seed_samples import SeedSet, inverse_mixup
+    from reference_steps_mix2fld import fld_round
+
+    eng = channel_engine(algo, SOME_LOST, "channel")
+    arrived = delivered_by_the_channel(eng, 1 if algo == "fld" else 2)
+    assert 0 < len(arrived) < 6 and {c % 2 for c in arrived} == {0, 1}, \
+        f"settings chosen so that some round-1 uplinks fail, devices of both rotations arrive: {arrived}"
+    expected = fld_round(eng, arrived=arrived)  # only their tables and only their seeds
+    everyone = fld_round(eng, arrived=sorted(set(arrived) | {next(c for c in range(6) if c not in arrived)}))
+    assert float((everyone["global_state"] - expected["global_state"]).abs().max()) > 1e-3, \
+        "one more device's seeds and table must change the round, or the check could not fail"
+    m = eng.run_round(0)
+    assert m["uplink_outages"] == 6 - len(arrived)
+    assert eng.algo.seed_deliverers == arrived
+    assert m["seeds_uploaded"] == 6 * 4 and m["seeds_delivered"] == 4 * len(arrived)
+    assert m["bytes_up_seeds"] == 6 * 4 * (64 + (1 if algo == "fld" else 2))  # sent, lost or not
+    mine = SeedSet.cat([eng.algo.make_seeds(c) for c in arrived])
+    if algo == "fld":
+        want = mine
+    else:  # N_I per delivering device, from their seeds only (fewer if they have too few partners)
+        want = inverse_mixup(mine, 4 * len(arrived), generator=torch.Generator().manual_seed(
+            derive_seed(eng.cfg.seed, "inverse-mixup")), strict=False)
+        assert set(want.source_cid.flatten().tolist()) <= set(arrived) and 0 < len(want) <= 4 * len(arrived)
+        assert m["server_samples"] == len(want)
+    got = eng.algo.server_set
+    assert torch.equal(got.x, want.x) and torch.equal(got.y, want.y)
+    assert set(eng.algo.server_set.source_cid.flatten().tolist()) == set(arrived)
+    diff = float((eng.global_state.double() - expected["global_state"]).abs().max())
+    assert diff <= 2e-5, f"{algo}: round 1 differs from the hand computation on the delivered seeds by {diff:.2e}"
+
+
+@pytest.mark.parametrize("algo", ["fld", "mix2fld"])
+def test_seed_delivery_channel_with_every_round1_upload_lost_never_converts(algo, recwarn):
+    """No seed at the server: the tables of round 2 arrive, but the global model is not trained
+    (a warning once, seeds_delivered 0); ``always`` trains on every device's seeds regardless."""
+    eng = channel_engine(algo, ALL_LOST, "channel")
+    start = eng.global_state.clone()
+    m1 = eng.run_round(0)
+    assert m1["uplink_outages"] == 6 and m1["seeds_delivered"] == 0 and m1["seeds_uploaded"] == 24
+    assert len(eng.algo.server_set) == 0 and eng.algo.seed_deliverers == []
+    warned = [w for w in recwarn.list if "no samples for the output-to-model conversion" in str(w.message)]
+    assert len(warned) == 1 and "0 of the 6 devices" in str(warned[0].message)
+    m2 = eng.run_round(1)
+    assert m2["uplink_outages"] < 6 and eng.algo.teacher is not None, "round 2's tables must arrive"
+    assert torch.equal(eng.global_state, start)  # no seed, no conversion
+    assert m2["seeds_delivered"] == 0 and m2["bytes_up_seeds"] == 0
+    assert len([w for w in recwarn.list if "no samples for" in str(w.message)]) == 1  # once
+
+    always = channel_engine(algo, ALL_LOST, "always")
+    always.run_round(0)
+    assert len(always.algo.server_set) == 24  # 6 devices x N_S (FLD) or N_I (Mix2FLD) = 4
+    always.run_round(1)
+    assert not torch.equal(always.global_state, start)
+
+
+@pytest.mark.parametrize("algo", ["fld", "mixfld", "mix2fld"])
+def test_seed_delivery_channel_without_outages_is_always(algo):
+    """Full participation and a channel that drops nothing: every device's seeds arrive either
+    way, and the runs are the same."""
+    engines = [channel_engine(algo, COMMON, d) for d in ("always", "channel")]
+    metrics = [[e.run_round(t) for t in range(2)] for e in engines]
+    assert torch.equal(engines[0].global_state, engines[1].global_state)
+    assert torch.equal(engines[0].algo.server_set.x, engines[1].algo.server_set.x)
+    for key in ("seeds_uploaded", "seeds_delivered", "bytes_up_seeds", "relative_change"):
+        assert [m.get(key) for m in metrics[0]] == [m.get(key) for m in metrics[1]], key
+
+
+def test_seed_delivery_channel_sends_no_seeds_from_devices_not_sampled_in_round1():
+    eng = channel_engine("fld", [*COMMON, "--clients-per-round", "3"], "channel")
+    m = eng.run_round(0)
+    sampled = eng.algo.seed_senders
+    assert len(sampled) == 3 and m["seeds_uploaded"] == m["seeds_delivered"] == 12
+    assert m["bytes_up_seeds"] == 12 * 65
+    assert sorted(set(eng.algo.server_set.owner.tolist())) == sampled
+    eng = channel_engine("fld", [*COMMON, "--clients-per-round", "3"], "always")
+    m = eng.run_round(0)
+    assert m["seeds_delivered"] == 20 and m["bytes_up_seeds"] == 20 * 65  # all 5 devices' seeds
+
+
+def test_seed_delivery_channel_resumed_after_round1_equals_uninterrupted(tmp_path):
+    """Whose seeds arrived is checkpointed: a run resumed after round 1 rebuilds the same server set."""
+    from standard_runner import run_case
+    from reference_steps_mix2fld import FAMILY_ARGV
+    from fedhpc.engine import Preempted
+
+    argv = ["--algo", "mix2fld", *SOME_LOST, *FAMILY_ARGV, "--seed-delivery", "channel", "--rounds", "3"]
+    whole, _, _ = run_case(argv + ["--out", str(tmp_path / "whole")], World(threads=1))
+    with pytest.raises(Preempted):
+        run_case(argv + ["--out", str(tmp_path / "cut")], World(threads=1), interrupt_after=1)
+    resumed, _, _ = run_case(argv + ["--out", str(tmp_path / "cut"), "--resume"], World(threads=1))
+    assert resumed.algo.seed_deliverers == whole.algo.seed_deliverers and 0 < len(whole.algo.seed_deliverers) < 6
+    assert torch.equal(resumed.global_state, whole.global_state)
+    rows = [[json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")] for d in ("whole", "cut")]
+    for key in ("seeds_delivered", "server_samples", "sample_privacy_server", "relative_change", "uplink_outages"):
+        assert [r.get(key) for r in rows[0]] == [r.get(key) for r in rows[1]], key
+
+
+def test_seed_delivery_must_be_always_or_channel():
+    with pytest.raises(ConfigError, match="--seed-delivery must be one of always, channel"):
+        parse_args(["--algo", "mix2fld", *ARGS, "--seed-delivery", "sometimes"])

@@ -307,3 +307,28 @@ def test_inverse_mixup_errors():
     col.y[0] = col.y[0].flip(0)
     with pytest.raises(DataError, match="soft labels"):
         inverse_mixup(col, 4, 2, gen("x"))
+
+
+def test_inverse_mixup_of_a_thinned_out_set_gives_what_it_has_instead_of_failing():
+    """strict=False (Mix2FLD under --seed-delivery channel): the same samples as a strict call when
+    there are enough combinations, every combination when there are too few, and an empty set
+    (right shapes) when there is none: one device, or no seed at all."""
+    col = collect_seeds(OneRank(), make_devices(4, 3, 0.2))
+    strict = inverse_mixup(col, 12, 2, gen("t"))
+    loose = inverse_mixup(col, 12, 2, gen("t"), strict=False)
+    assert torch.equal(strict.x, loose.x) and torch.equal(strict.parents, loose.parents)
+    # too few: every distinct valid combination once, counted by brute force
+    labels, owner = col.labels.tolist(), col.owner.tolist()
+    valid = sum(1 for a in range(len(col)) for b in range(len(col))
+                if labels[a][0] < labels[a][1] and labels[b] == labels[a][::-1] and owner[a] != owner[b])
+    many = inverse_mixup(col, 10_000, 2, gen("t"), strict=False)
+    assert len(many) == 2 * valid and len({tuple(p) for p in many.parents[::2].tolist()}) == valid
+    assert bool((col.owner[many.parents[:, 0]] != col.owner[many.parents[:, 1]]).all())
+    one = col.select((col.owner == 0).nonzero().flatten())           # one device: no partner
+    for empty in (inverse_mixup(one, 6, 2, gen("t"), strict=False),
+                  inverse_mixup(one.select(torch.zeros(0, dtype=torch.long)), 0, 2, gen("t"), strict=False)):
+        assert len(empty) == 0 and empty.kind == "inverse"
+        assert empty.x.shape == (0,) + tuple(col.x.shape[1:]) and empty.y.shape == (0, C)
+        assert empty.parents.shape == (0, 2) and empty.source_cid.shape == (0, 4)
+    with pytest.raises(DataError, match="no valid inverse-mixup combination"):
+        inverse_mixup(one, 6, 2, gen("t"))                              # strict: a configuration error

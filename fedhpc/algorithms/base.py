@@ -347,6 +347,16 @@ class Algorithm:
         and running variances near 1 would inflate the norm the change is divided by."""
         return global_state[:self.flat.num_params]  # parameters come first, buffers after
 
+    def relative_change(self, previous: torch.Tensor, current: torch.Tensor) -> float:
+        """How much :meth:`convergence_state` moved since the last round with an update: the
+        value logged as ``relative_change`` and compared with ``--stop-epsilon``.
+
+        ``previous`` and ``current`` are float64 and of the same shape. The default is the
+        whole state's |G_p - G_p-1| / |G_p-1| (Frobenius norms), Mix2FLD's rule for FL's
+        G_mod; FD-style methods, whose rule must hold for every label, override it.
+        """
+        return float((current - previous).norm() / previous.norm().clamp_min(1e-30))
+
     def state_dict(self) -> Dict[str, Any]:
         """Server-side state to checkpoint (momentum buffers, control variates...).
 

@@ -15,6 +15,11 @@ the device averages its softmax outputs per label (Eq. 2) and uploads that N_L x
 table; the server averages it per label over the devices whose upload arrived (Eq. 3,
 :mod:`fedhpc.exchanges.label_outputs`).
 
+Stopping rule (``--stop-epsilon``): FD stops when |G_out,n^p - G_out,n^p-1| / |G_out,n^p-1| <
+epsilon "for all n" (Sec. II-B, and Alg. 1 line 2 for FLD), so the relative change it logs is
+the largest per-label one (:func:`label_relative_change`), not the ratio over the whole table,
+in which one label still moving is averaged away by the others.
+
 Under the channel model a device whose downlink fails keeps distilling from the table
 it had. The global *model* is never trained: the run's headline figures are the
 devices' own models (``reference_device_accuracy``, ``local_test_accuracy``); the
@@ -23,6 +28,7 @@ devices' own models (``reference_device_accuracy``, ``local_test_accuracy``); th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +46,24 @@ class FDOptions:
     def validate(self):
         if not self.beta >= 0:
             raise ConfigError(f"--beta must be >= 0, got {self.beta}")
+
+
+def label_relative_change(previous: torch.Tensor, current: torch.Tensor) -> float:
+    """max over labels n of |G_n^p - G_n^p-1| / |G_n^p-1| (rows of two N_L x N_L global output tables).
+
+    Mix2FLD's stopping rule holds "for all n", so the largest row ratio is what is compared
+    with epsilon. A row that was zero (a label without a global output: no device holding it
+    uploaded) has no ratio; it counts as 0 while it stays zero (a label no device holds never
+    blocks convergence) and as infinite once it has a global output (a label just heard of is
+    not converged). A row that drops to zero (its devices' uploads were lost) has ratio 1.
+    Never NaN.
+    """
+    diff = (current - previous).norm(dim=1)
+    before = previous.norm(dim=1)
+    zero = before == 0
+    ratio = diff / torch.where(zero, torch.ones_like(before), before)
+    ratio = torch.where(zero & (diff > 0), torch.full_like(ratio, math.inf), ratio)
+    return float(ratio.max()) if ratio.numel() else 0.0
 
 
 def teacher_rows(table, mask, y):
@@ -105,6 +129,9 @@ class FD(Algorithm):
 
     def convergence_state(self, global_state):
         return None if self.teacher is None else self.teacher[0]
+
+    def relative_change(self, previous, current):
+        return label_relative_change(previous, current)  # "for all n": the largest label's change
 
     def state_dict(self):
         return {"teacher": self.teacher}

@@ -7,7 +7,9 @@ circulant mixing matrix (Eq. 8; for N = 2, lambda_hat = lambda / (2 lambda - 1),
 weights expected), so every result carries a *hard* label, and trains on N_I >= N_S such
 samples per device instead of the soft-labelled seeds
 (:func:`fedhpc.exchanges.seed_samples.inverse_mixup`). Seeds of one device are never
-combined (that could restore a raw sample). Everything else is FLD's.
+combined (that could restore a raw sample). Everything else is FLD's. With
+``--seed-delivery channel`` only the devices whose round-1 upload arrived contribute
+seeds: N_I per such device are asked for, and as many as their seeds allow are made.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ class Mix2FLD(MixFLD):
 
     def server_samples(self, collected: SeedSet) -> SeedSet:
         o = self.options
-        n_out = o.inverse_per_device * self.data.num_clients  # N_I per device
+        # N_I per device whose seeds reached the server: every device with --seed-delivery always
+        devices = self.data.num_clients if o.seed_delivery == "always" else len(collected.owner.unique())
+        n_out = o.inverse_per_device * devices
         g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "inverse-mixup"))
-        return inverse_mixup(collected, n_out, N=len(o.ratios()), generator=g)
+        # With --seed-delivery channel the devices present are the channel's draw, not a setting:
+        # too few partners then give fewer samples (none at all: the conversion is skipped), where
+        # with every device's seeds too few partners are a configuration error.
+        return inverse_mixup(collected, n_out, N=len(o.ratios()), generator=g,
+                             strict=o.seed_delivery == "always")

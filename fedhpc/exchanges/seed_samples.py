@@ -435,7 +435,8 @@ def _enumerate_rest(groups, owner: np.ndarray, made: set) -> List[Tuple[int, ...
     return rest
 
 
-def inverse_mixup(seeds: SeedSet, n_out: int, N: int = 2, generator: Optional[torch.Generator] = None) -> SeedSet:
+def inverse_mixup(seeds: SeedSet, n_out: int, N: int = 2, generator: Optional[torch.Generator] = None,
+                  strict: bool = True) -> SeedSet:
     """Mix2FLD's inverse mixup (Eqs. 7-8): hard-labelled samples from N mixed seeds of N different devices.
 
     A combination takes one seed of each rotation of a label cycle (for N = 2: labels
@@ -452,6 +453,11 @@ def inverse_mixup(seeds: SeedSet, n_out: int, N: int = 2, generator: Optional[to
     once and N_I = 2 N_S about twice. If a pass finds nothing new, the remaining
     combinations of label cycles with at most ENUMERATE_LIMIT candidates are
     enumerated. DataError when no combination exists or too few distinct ones do.
+
+    ``strict=False`` is for seed sets a channel thinned out (Mix2FLD under
+    ``--seed-delivery channel``): the outputs of every combination found, at most n_out
+    and possibly none (an empty set, also for no seeds or n_out = 0), instead of DataError;
+    the combinations made are the first ones a strict call would make.
     """
     if generator is None:
         raise ConfigError("inverse_mixup needs a seeded torch.Generator (derive_seed(seed, 'inverse-mixup'))")
@@ -460,7 +466,7 @@ def inverse_mixup(seeds: SeedSet, n_out: int, N: int = 2, generator: Optional[to
     if seeds.labels.shape[1] != N or len(seeds.ratios) != N:
         raise ConfigError(f"the seeds mix {seeds.labels.shape[1]} samples each; inverse mixup with N = {N} needs "
                           f"seeds of N samples (set the seed mixing N and the inverse N alike)")
-    if n_out < 1:
+    if n_out < (1 if strict else 0):
         raise ConfigError(f"the number of inversely mixed samples must be >= 1, got {n_out}")
     w = inverse_ratios(seeds.ratios)
     labels = seeds.labels.cpu().numpy()
@@ -475,21 +481,24 @@ def inverse_mixup(seeds: SeedSet, n_out: int, N: int = 2, generator: Optional[to
         if not fresh:
             break
         combos.extend(fresh[i] for i in torch.randperm(len(fresh), generator=generator).tolist())
-    if not combos:
+    if not strict:
+        n_out = min(n_out, N * len(combos))  # a thinned-out set gives what it has
+        need = -(-n_out // N)
+    elif not combos:
         raise DataError(
             f"no valid inverse-mixup combination among {len(seeds)} mixed seeds of {len(np.unique(owner))} "
             f"device(s): N = {N} seeds whose label tuples are rotations of one another, from {N} different "
             f"devices, are needed. Use pairing='shared', more seeds per device, or more devices")
-    if len(combos) < need:
+    elif len(combos) < need:
         raise DataError(f"only {len(combos)} distinct inverse-mixup combinations exist ({N * len(combos)} samples), "
                         f"fewer than the {n_out} asked for; lower N_I or upload more seeds (pairing='shared' "
                         f"gives far more symmetric partners)")
     combos = combos[:need]
-    parents = torch.tensor(combos, dtype=torch.long)                        # (k, N), ordered by rotation
+    parents = torch.tensor(combos, dtype=torch.long).reshape(-1, N)         # (k, N), ordered by rotation
     k = len(combos)
     xs = seeds.x[parents.reshape(-1).to(seeds.x.device)].double().reshape((k, N) + tuple(seeds.x.shape[1:]))
     out_x = torch.einsum("nr,kr...->kn...", w.to(xs.device), xs).reshape((k * N,) + tuple(seeds.x.shape[1:]))
-    base = torch.tensor([labels[c[0]].tolist() for c in combos], dtype=torch.long)  # rotation 0 = base tuple
+    base = torch.tensor([labels[c[0]].tolist() for c in combos], dtype=torch.long).reshape(-1, N)  # rotation 0
     hard = base.reshape(-1)
     coef = w.expand(k, N, N).reshape(k * N, N)                                  # (outputs, rotation)
     par = parents.repeat_interleave(N, dim=0)

@@ -35,12 +35,22 @@ Readings chosen where the text leaves room (each documented at its option):
   ARQ); failed slots carry nothing. On an outage the link reports the whole
   budget as its latency: the server waited until its deadline.
 
-With the paper's settings (asymmetric, 10 devices) the uplink succeeds per slot
-with probability 0.887 and carries 4,000 bits: FD's 10x10 output table
-(3,200 bits) needs one good slot, but FL's 12,544-weight model (401,408 bits)
-needs 101, more than the 50-slot budget (and the 100 slots of ``full``), so FL
-uploads are always lost under these settings. The 20,000-bit downlink slots
-carry that model in 21 good slots (success 0.988 per slot).
+With the paper's settings (10 devices) an uplink slot carries 4,000 bits
+(W N_ch / |D| log2(1 + theta) tau = 2 MHz x 2 x 1 ms) and succeeds with probability
+0.887 (asymmetric, P^up = 23 dBm) or 0.998 (symmetric, P^up = 40 dBm): FD's 10x10
+output table (3,200 bits) needs one good slot, but FL's 12,544-weight model
+(401,408 bits) needs 101, more than the 50-slot budget (and the 100 slots of
+``full``). The symmetric setting raises only the slot success probability, not
+the bits a slot carries, so FL's uploads are lost in *every* round under both
+settings: FL's global model never leaves its initialisation, and its devices only
+ever train locally from it. The paper's "Under symmetric channels, FL achieves the
+highest accuracy" (Sec. IV, Fig. 2) therefore cannot be reproduced under Eq. 4 with
+these parameters; FL's uploads need more than the paper states, e.g. a wider uplink
+share (``num_channels``) or a budget of at least 101 uplink slots (``t_max_s`` >=
+0.202 with ``half``). The 20,000-bit downlink slots carry the model in 21 good
+slots (success 0.988 per slot). The same arithmetic stops FLD's round-1 upload with
+N_S = 50 seeds (about 317,000 bits, 80 good slots) under both settings: see
+``--seed-delivery`` in :mod:`fedhpc.algorithms.fld`.
 
 Randomness: the link of (round, client, direction) draws its fading from its own
 generator seeded with ``derive_seed(seed, "channel", direction, round, cid)``,
