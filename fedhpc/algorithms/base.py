@@ -19,6 +19,8 @@ and count what it sends in ``ctx.ledger`` so the communication ledger stays hone
 from __future__ import annotations
 
 import hashlib
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
@@ -346,6 +348,15 @@ class Algorithm:
         BatchNorm's running statistics are left out: they follow the data, not the optimisation,
         and running variances near 1 would inflate the norm the change is divided by."""
         return global_state[:self.flat.num_params]  # parameters come first, buffers after
+
+    def warn(self, message: str, category: type = UserWarning) -> None:
+        """A warning the researcher must see, from rank 0 only: a Python warning (which tests
+        and ``-W`` filters see) and a line on stderr (which a batch log keeps whatever the
+        warning filters are)."""
+        if self.comm.rank != 0:
+            return
+        warnings.warn(message, category, stacklevel=3)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def relative_change(self, previous: torch.Tensor, current: torch.Tensor) -> float:
         """How much :meth:`convergence_state` moved since the last round with an update: the

@@ -20,8 +20,6 @@ and CIFAR-100 0.1 (launch/fedmix_*.yaml).
 
 from __future__ import annotations
 
-import sys
-import warnings
 from dataclasses import dataclass, field
 
 from ..models.shapes import has_batchnorm
@@ -46,7 +44,7 @@ class FedMix(NaiveMix):
 
     def setup(self):
         super().setup()
-        if self.comm.rank == 0 and has_batchnorm(self.model):
+        if has_batchnorm(self.model):
             # l3 is linear in dL/dx; BatchNorm lets the weights before it scale that gradient
             # up without changing any output, so l3 is unbounded below (the paper drops BN)
             msg = (f"FedMix with a BatchNorm model can diverge: Eq. 5's l3 term is unbounded below when "
@@ -54,8 +52,7 @@ class FedMix(NaiveMix):
                    f"and 0.9 in a NaN loss by round 2; 0.05 and 0.2 trained well). The FedMix paper's models "
                    f"have no BatchNorm; use one without (e.g. --model-opt norm=none where the model has "
                    f"it) or a small --lam (now {self.options.lam:g})")
-            warnings.warn(msg, UserWarning, stacklevel=2)
-            print(f"warning: {msg}", file=sys.stderr, flush=True)
+            self.warn(msg)
 
     def mix_loss(self, f, x, y, xbar, ybar, lam):
         return fedmix_loss(f, x, y, xbar, ybar, lam)

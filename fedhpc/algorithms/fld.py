@@ -54,8 +54,6 @@ Which seeds reach the server (``--seed-delivery``):
 
 from __future__ import annotations
 
-import sys
-import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -186,7 +184,7 @@ class FLD(Algorithm):
         # measured in extra_metrics, after the aggregation: the analysis stays off the server's clock
         self._privacy_of = (uploaded, delivered, self.server_set)
         # built once per run (a resumed one rebuilds it), so this warns once
-        if len(self.server_set) == 0 and self.comm.rank == 0:
+        if len(self.server_set) == 0:
             arrived, sent = len(delivered.owner.unique()), len(uploaded.owner.unique())
             why = ("" if arrived == 0 else
                    ", and no two of them come from different devices with rotated label tuples (inverse mixup)")
@@ -195,8 +193,7 @@ class FLD(Algorithm):
                    f"arrived with their round-1 upload{why}. Every round keeps the global model as it is. "
                    f"--seed-delivery always delivers every device's seeds; fewer --seeds-per-device or a "
                    f"larger --channel-opt t_max_s lets round-1 uploads through")
-            warnings.warn(msg, UserWarning, stacklevel=2)
-            print(f"warning: {msg}", file=sys.stderr, flush=True)
+            self.warn(msg)
 
     def measure_privacy(self, uploaded: SeedSet, delivered: SeedSet, server_set: SeedSet) -> Dict[str, float]:
         """What left the devices (audit: ``uploaded``, also the seeds an outage then lost), what

@@ -31,8 +31,6 @@ use ``--mix-alpha A`` and state the A chosen.
 
 from __future__ import annotations
 
-import sys
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -83,11 +81,9 @@ class GlobalMix(Algorithm):
         self.space = MixSpace(self.data.task, self.data.num_classes)
         self.space.check(self.model)
         self.pool = None
-        if self.comm.rank == 0:
-            msg = ("GlobalMix VIOLATES PRIVACY: every client shares its raw training samples with "
-                   "the other clients. It is a reference upper bound, not a federated algorithm.")
-            warnings.warn(msg, PrivacyViolationWarning, stacklevel=2)
-            print(f"warning: {msg}", file=sys.stderr, flush=True)
+        self.warn("GlobalMix VIOLATES PRIVACY: every client shares its raw training samples with "
+                  "the other clients. It is a reference upper bound, not a federated algorithm.",
+                  PrivacyViolationWarning)
 
     # ---------------------------------------------------------------- the raw-sample exchange
     def _gather_pool(self) -> int:
