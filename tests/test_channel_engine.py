@@ -125,16 +125,22 @@ def test_stop_epsilon_ends_the_run_on_the_relative_change_of_the_global_state(tm
     assert os.path.exists(os.path.join(out, "final_model.pt"))
 
 
-def test_mix2fld_under_the_channel_gives_the_same_run_on_one_and_two_ranks(tmp_path):
-    args = FAST + ["--algo", "mix2fld", "--channel", "asymmetric", "--server-steps", "20",
-                   "--seeds-per-device", "4", "--inverse-per-device", "4", "--client-test-fraction", "0.2",
-                   "--num-clients", "6", "--clients-per-round", "6"]
+def run_on_one_and_two_ranks(args, tmp_path):
+    """The output folders of the same run on 1 and on 2 MPI ranks."""
     outs = []
     for ranks in (1, 2):
         out = str(tmp_path / f"r{ranks}")
         p = launch(args + ["--out", out], ranks=ranks)
         assert p.returncode == 0, p.stderr[-3000:]
         outs.append(out)
+    return outs
+
+
+def test_mix2fld_under_the_channel_gives_the_same_run_on_one_and_two_ranks(tmp_path):
+    args = FAST + ["--algo", "mix2fld", "--channel", "asymmetric", "--server-steps", "20",
+                   "--seeds-per-device", "4", "--inverse-per-device", "4", "--client-test-fraction", "0.2",
+                   "--num-clients", "6", "--clients-per-round", "6"]
+    outs = run_on_one_and_two_ranks(args, tmp_path)
     assert max_diff(final_weights(outs[0]), final_weights(outs[1])) <= 1e-5
     rows = [[json.loads(line) for line in open(os.path.join(o, "metrics.jsonl"))] for o in outs]
     for key in ("uplink_outages", "downlink_outages", "reference_device_accuracy", "local_test_accuracy",
@@ -150,12 +156,7 @@ def test_mix2fld_with_seeds_lost_to_the_channel_gives_the_same_run_on_one_and_tw
                    "--seeds-per-device", "4", "--inverse-per-device", "4", "--client-test-fraction", "0.2",
                    "--num-clients", "6", "--clients-per-round", "6", "--seed", "2", "--seed-delivery", "channel",
                    "--channel-opt", "num_channels=1", "--channel-opt", "t_max_s=0.016", "--channel-opt", "p_up_dbm=12"]
-    outs = []
-    for ranks in (1, 2):
-        out = str(tmp_path / f"r{ranks}")
-        p = launch(args + ["--out", out], ranks=ranks)
-        assert p.returncode == 0, p.stderr[-3000:]
-        outs.append(out)
+    outs = run_on_one_and_two_ranks(args, tmp_path)
     rows = [[json.loads(line) for line in open(os.path.join(o, "metrics.jsonl"))] for o in outs]
     assert 0 < rows[0][0]["seeds_delivered"] < rows[0][0]["seeds_uploaded"], "some seeds must be lost"
     assert rows[0][0]["server_samples"] > 0

@@ -167,10 +167,12 @@ def test_classes_first_and_last_client_draw_every_class_alike():
         assert all(50 <= v <= 110 for v in counts.values()), counts
 
 
-def test_classes_is_seeded():
-    a = make_partition("classes:3", POOL, 13, seed=5)
-    b = make_partition("classes:3", POOL, 13, seed=5)
-    c = make_partition("classes:3", POOL, 13, seed=6)
+@pytest.mark.parametrize("spec,labels,n", [("classes:3", "POOL", 13), ("dirichlet_capped:0.5", "CIFAR_LIKE", 16)])
+def test_random_partitions_are_seeded(spec, labels, n):
+    labels = globals()[labels]
+    a = make_partition(spec, labels, n, seed=5)
+    b = make_partition(spec, labels, n, seed=5)
+    c = make_partition(spec, labels, n, seed=6)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
 
@@ -309,14 +311,6 @@ def test_dirichlet_capped_balances_sizes_more_than_the_plain_rule():
     capped, plain = mean_cv("dirichlet_capped:0.5"), mean_cv("dirichlet:0.5")
     assert capped < 0.8 * plain, (capped, plain)
     assert 0.18 < capped < 0.33 and 0.33 < plain < 0.52, (capped, plain)
-
-
-def test_dirichlet_capped_is_seeded():
-    a = make_partition("dirichlet_capped:0.5", CIFAR_LIKE, 16, seed=5)
-    b = make_partition("dirichlet_capped:0.5", CIFAR_LIKE, 16, seed=5)
-    c = make_partition("dirichlet_capped:0.5", CIFAR_LIKE, 16, seed=6)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
 
 
 def test_dirichlet_capped_redraws_up_to_the_callers_minimum():
