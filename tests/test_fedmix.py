@@ -320,8 +320,9 @@ def test_ledger_counts_mean_data_and_raw_samples():
     m1, m2 = eng.run_round(0), eng.run_round(1)
     assert m1["bytes_up_raw_samples"] == int(sizes.sum()) * per_sample and m2["bytes_up_raw_samples"] == 0
     from fedhpc.engine import sample_clients
-    sampled = sample_clients(1, 1, n, 3)
-    assert m2["bytes_down_raw_samples"] == sum(int(sizes.sum() - sizes[c]) for c in sampled) * per_sample
+    # the pool is received once per client, the first round it is sampled, as the means are
+    assert m1["bytes_down_raw_samples"] == sum(int(sizes.sum() - sizes[c]) for c in first) * per_sample
+    assert m2["bytes_down_raw_samples"] == sum(int(sizes.sum() - sizes[c]) for c in new) * per_sample > 0
 
 
 def run_audited(algo, mk, **algo_options):
@@ -475,6 +476,47 @@ def test_mean_download_is_booked_once_per_refresh_and_survives_a_resume(tmp_path
     for d in ("full", "cut"):
         assert [r["bytes_down_mean_data"] for r in rows[d]] == expect, d
     assert rows["full"][-1]["bytes_down_total"] == rows["cut"][-1]["bytes_down_total"]
+
+
+def test_globalmix_pool_download_is_booked_once_per_client_and_survives_a_resume(tmp_path):
+    """The raw pool is received the first round a client is sampled; which clients hold it is
+    checkpointed, so a run interrupted after round 2 books what the uninterrupted run books."""
+    import json
+    import os
+
+    from standard_runner import run_case
+
+    from fedhpc.engine import Preempted, sample_clients
+    from fedhpc.world import World
+
+    n, k, rounds, seed = 8, 3, 5, 1
+    argv = ["--algo", "globalmix", "--dataset", "digits", "--num-clients", str(n), "--clients-per-round", str(k),
+            "--rounds", str(rounds), "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--model", "mlp",
+            "--partition", "iid", "--seed", str(seed), "--threads", "1", "--quiet", "--no-tensorboard",
+            "--checkpoint-every", "1"]
+    with pytest.warns(UserWarning, match="VIOLATES PRIVACY"):
+        run_case(argv + ["--out", str(tmp_path / "full")], World(threads=1))
+        out = str(tmp_path / "cut")
+        with pytest.raises(Preempted):
+            run_case(argv + ["--out", out], World(threads=1), interrupt_after=2)
+        run_case(argv + ["--out", out, "--resume"], World(threads=1))
+    rows = {d: [json.loads(line) for line in open(os.path.join(tmp_path, d, "metrics.jsonl"))]
+            for d in ("full", "cut")}
+    from fedhpc.config import parse_args
+    from fedhpc.data import build_dataset
+
+    cfg, _, do = parse_args(argv)
+    sizes = build_dataset(cfg, do).client_sizes()
+    per_sample = 64 * 4 + 8  # float32 pixels as stored + an int64 label
+    assert rows["full"][0]["bytes_up_raw_samples"] == int(sizes.sum()) * per_sample
+    expect, have = [], set()
+    for t in range(rounds):
+        fresh = [c for c in sample_clients(seed, t, n, k) if c not in have]
+        have.update(fresh)
+        expect.append(sum(int(sizes.sum() - sizes[c]) for c in fresh) * per_sample)  # the others' samples
+    assert len(set(expect)) > 2 and 0 in expect
+    for d in ("full", "cut"):
+        assert [r["bytes_down_raw_samples"] for r in rows[d]] == expect, d
 
 
 def test_fedmix_two_mpi_ranks_match_one_process(tmp_path):

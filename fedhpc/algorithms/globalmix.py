@@ -9,8 +9,10 @@ raw sample of another client:
 It is NOT a federated algorithm in any privacy sense; it exists to bound what
 FedMix approximates. A warning says so at start-up, and the raw samples are
 counted in the ledger as kind "raw_samples": up once (every client's shared
-samples, stored dtype: uint8 pixels stay 1 byte), down per sampled client per
-round (the other clients' samples it receives).
+samples, stored dtype: uint8 pixels stay 1 byte), down once per client, the first
+round it is sampled (the other clients' samples it receives and keeps, as MAFL's
+clients keep the means: :class:`fedhpc.exchanges.mean_data.MeanDataExchange`);
+which clients hold the pool is checkpointed.
 
 Exchange: before round 1, rank ``cid % world_size`` puts client cid's samples
 (all of them, or a seeded random ``raw_per_client`` of them) into one all_gather
@@ -81,6 +83,7 @@ class GlobalMix(Algorithm):
         self.space = MixSpace(self.data.task, self.data.num_classes)
         self.space.check(self.model)
         self.pool = None
+        self.holds_pool = None  # (N,) bool: which clients received the pool (the download ledger)
         self.warn("GlobalMix VIOLATES PRIVACY: every client shares its raw training samples with "
                   "the other clients. It is a reference upper bound, not a federated algorithm.",
                   PrivacyViolationWarning)
@@ -137,13 +140,27 @@ class GlobalMix(Algorithm):
                 up = 0  # a resumed run rebuilds what was shared before round 1: nothing is re-sent
         if up and self.comm.rank == 0:  # summed over ranks: book the shared pool once
             self.ledger.add("up", "raw_samples", up)
+        if self.holds_pool is None:
+            self.holds_pool = torch.zeros(self.data.num_clients, dtype=torch.bool)
+        # the round's sampled clients are the same list on every rank, so this is too
+        self.receives_pool = ~self.holds_pool
+        self.holds_pool[torch.as_tensor(rnd.sampled, dtype=torch.long)] = True
 
     def download(self, ctx):
         super().download(ctx)
         mask = self.pool["owner"] != ctx.cid
-        ctx.ledger.add("down", "raw_samples", self._pool_bytes(mask))
+        if self.receives_pool[ctx.cid]:  # later rounds it mixes with the copy it kept
+            ctx.ledger.add("down", "raw_samples", self._pool_bytes(mask))
         ctx.extra["partners"] = mask.nonzero().flatten()
         ctx.extra["select_gen"] = ctx.generator("raw_select")
+
+    def state_dict(self):
+        return {} if self.holds_pool is None else {"holds_pool": self.holds_pool.clone()}
+
+    def load_state_dict(self, state):
+        # a checkpoint from before this record: every client books one more download (ledger only)
+        held = state.get("holds_pool")
+        self.holds_pool = None if held is None else held.to("cpu", torch.bool).clone()
 
     # ---------------------------------------------------------------- local objective
     def loss(self, model, x, y, ctx):
