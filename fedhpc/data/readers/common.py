@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, fields
@@ -77,7 +78,10 @@ class StoreOptions:
 
 
 #: options that change only how data is fed, not what a store holds
-_RUNTIME_ONLY_OPTIONS = {"store", "store_dir", "store_threshold_mb", "dir", "normalize", "crop_padding", "flip"}
+_RUNTIME_ONLY_OPTIONS = {"store", "store_dir", "store_threshold_mb", "dir", "normalize", "crop_padding", "flip",
+                         "resized_crop", "resized_crop_scale_min", "resized_crop_scale_max",
+                         "resized_crop_ratio_min", "resized_crop_ratio_max", "jitter_brightness",
+                         "jitter_contrast", "jitter_saturation", "center_crop"}
 
 
 @dataclass
@@ -165,6 +169,53 @@ class Imagenet200Options(Cifar10Options):
     #: the HDF5 written by `python -m fedhpc.data.prepare imagenet200` (relative to --data-dir)
     file: str = "imagenet200.h5"
     crop_padding: int = 8
+    #: RandomResizedCrop on training batches: output side in pixels (0 = off; needs crop_padding 0)
+    resized_crop: int = 0
+    #: range of the crop's area, as a fraction of the stored image's (RandomResizedCrop's scale)
+    resized_crop_scale_min: float = 0.08
+    resized_crop_scale_max: float = 1.0
+    #: range of the crop's aspect ratio width / height, drawn log-uniformly (RandomResizedCrop's ratio)
+    resized_crop_ratio_min: float = 3.0 / 4.0
+    resized_crop_ratio_max: float = 4.0 / 3.0
+    #: colour jitter of training batches (ColorJitter): per image a factor in [max(0, 1 - s), 1 + s] (0 = off)
+    jitter_brightness: float = 0.0
+    jitter_contrast: float = 0.0
+    jitter_saturation: float = 0.0
+    #: evaluation batches: the central square of this side in pixels (0 = off; CenterCrop)
+    center_crop: int = 0
+
+    def validate(self):
+        super().validate()
+        for name in ("resized_crop", "center_crop"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"data option {name} must be >= 0 pixels (0 = off), got {getattr(self, name)}")
+        if self.resized_crop > 0 and self.crop_padding > 0:
+            raise ConfigError(
+                f"data options resized_crop {self.resized_crop} and crop_padding {self.crop_padding} are two random "
+                f"crops; RandomResizedCrop replaces the padded crop: set crop_padding: 0 (or resized_crop: 0)")
+        lo, hi = self.resized_crop_scale_min, self.resized_crop_scale_max
+        if not 0 < lo <= hi <= 1:
+            raise ConfigError(
+                f"data options resized_crop_scale_min / _max are fractions of the image's area with "
+                f"0 < min <= max <= 1, got {lo} and {hi} (torchvision's default: 0.08 and 1.0)")
+        lo, hi = self.resized_crop_ratio_min, self.resized_crop_ratio_max
+        if not (0 < lo <= hi and math.isfinite(hi)):
+            raise ConfigError(
+                f"data options resized_crop_ratio_min / _max are aspect ratios (width / height) with "
+                f"0 < min <= max, got {lo} and {hi} (torchvision's default: 0.75 and 1.3333333333333333)")
+        for name in ("jitter_brightness", "jitter_contrast", "jitter_saturation"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"data option {name} is a jitter strength s >= 0 (factors in "
+                                  f"[max(0, 1 - s), 1 + s]; 0 = off), got {v}")
+
+    def check_image_size(self, height: int, width: int, where: str) -> None:
+        """Refuse a centre crop larger than the stored images (known once the file is open)."""
+        if self.center_crop > min(height, width):
+            raise ConfigError(
+                f"data option center_crop {self.center_crop} is larger than the {height}x{width} images of "
+                f"{where}; prepare the file at a larger --size (e.g. --size 256 for center_crop 224) or lower "
+                f"center_crop (0 = off)")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -229,7 +280,16 @@ def fingerprint(paths: List[str]) -> List[List[Any]]:
 
 def image_transform(opts, stats) -> ImageTransform:
     mean, std = stats if opts.normalize else (None, None)
-    return ImageTransform(mean=mean, std=std, crop_padding=opts.crop_padding, flip=opts.flip)
+    # the resized crop, jitter and centre crop are options of some datasets only (imagenet200)
+    extra = {}
+    if getattr(opts, "resized_crop", 0) > 0:
+        extra.update(resized_crop=opts.resized_crop,
+                     resized_crop_scale=(opts.resized_crop_scale_min, opts.resized_crop_scale_max),
+                     resized_crop_ratio=(opts.resized_crop_ratio_min, opts.resized_crop_ratio_max))
+    for key in ("brightness", "contrast", "saturation"):
+        extra[key] = getattr(opts, f"jitter_{key}", 0.0)
+    extra["center_crop"] = getattr(opts, "center_crop", 0)
+    return ImageTransform(mean=mean, std=std, crop_padding=opts.crop_padding, flip=opts.flip, **extra)
 
 
 # --------------------------------------------------------------------------- reader base

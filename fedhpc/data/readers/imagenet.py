@@ -7,7 +7,7 @@ from typing import List
 
 import numpy as np
 
-from ...errors import DataError
+from ...errors import ConfigError, DataError
 from ..formats import IMAGENET, missing, open_h5_readonly
 from ..prepare import PREPARED_FORMAT
 from .common import (
@@ -32,10 +32,12 @@ class Imagenet200Reader(Reader):
         self.path = f
         self._h5 = None
         if not os.path.isfile(self.path):
+            # the size the options need: the authors' 256 px under a centre crop, else the quick 64 px
+            size = max(256, opts.center_crop) if opts.center_crop > 0 else 64
             raise missing(
                 "prepared ImageNet subset", self.path,
                 "HDF5 written by `python -m fedhpc.data.prepare imagenet200 --src <ImageNet dir> "
-                f"--out {self.path} --size 64 --seed 0`", IMAGENET,
+                f"--out {self.path} --size {size} --seed 0`", IMAGENET,
             )
         h5 = self._file()
         try:
@@ -50,6 +52,11 @@ class Imagenet200Reader(Reader):
                 f"{self.path} is not a prepared image subset (missing {e}); write it with "
                 f"`python -m fedhpc.data.prepare imagenet200 --src <ImageNet dir> --out {self.path}`"
             )
+        try:
+            opts.check_image_size(self.x_tail[-2], self.x_tail[-1], self.path)
+        except ConfigError:
+            self.close()
+            raise
 
     def _file(self):
         if self._h5 is None:
