@@ -25,7 +25,7 @@ from .config import RunConfig, build_options, parse_rounds
 from .data import ClientData, build_dataset
 from .errors import CheckpointError, ConfigError, NonFiniteLossError
 from .evaluation import Evaluation
-from .flat import FlatModel
+from .flat import FlatModel, refuse_cumulative_batchnorm
 from .io import atomic_torch_save
 from .models import build_model
 from .models.shapes import check_single_sample_batches
@@ -103,6 +103,7 @@ class Engine(Evaluation, RunLog):
         torch.manual_seed(derive_seed(cfg.seed, "init"))  # same initial model on every rank
         model = build_model(model_name, self.data.input_shape, self.data.num_classes, cfg.model_options)
         self.model = model.to(world.device)
+        refuse_cumulative_batchnorm(self.model)
         self.flat = FlatModel(self.model)
         self.global_state = self.flat.flat.detach().clone()
 

@@ -15,6 +15,8 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class FlatEntry:
@@ -26,8 +28,22 @@ class FlatEntry:
 
 
 class FlatModel:
+    """The model's parameters and float buffers in one flat tensor (see the module docstring).
+
+    Integer buffers (BatchNorm's ``num_batches_tracked``) stay outside: they are not federated
+    (nothing averages a step counter), and each rank's model instance counts the batches of
+    whatever clients it trained. No fedhpc model reads them (only BatchNorm with
+    ``momentum=None`` would: the engine refuses it, :func:`refuse_cumulative_batchnorm`), and
+    the state dicts written
+    from a flat state (``final_model.pt``, saved client models) hold their initial values, so
+    those files are the same on any number of ranks and after a resume.
+    """
+
     def __init__(self, model: nn.Module):
         self.model = model
+        #: integer buffers as built: what state dicts written from a flat state hold
+        self.initial_integer_buffers = {n: b.detach().clone().cpu() for n, b in model.named_buffers()
+                                        if not b.is_floating_point()}
         tensors = [(n, p, True) for n, p in model.named_parameters()]
         tensors += [(n, b, False) for n, b in model.named_buffers() if b.is_floating_point()]
         dtypes = {t.dtype for _, t, _ in tensors}
@@ -74,8 +90,25 @@ class FlatModel:
         return m
 
     def state_dict_from(self, vector: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """A regular state dict (what final_model.pt holds) for a flat vector."""
+        """A regular state dict (what final_model.pt holds) for a flat vector; integer buffers
+        at their initial values (see the class)."""
         sd = {k: v.detach().clone().cpu() for k, v in self.model.state_dict().items()}
         for name, view in self.views(vector).items():
             sd[name] = view.detach().clone().cpu()
+        for name, value in self.initial_integer_buffers.items():
+            sd[name] = value.clone()
         return sd
+
+
+def refuse_cumulative_batchnorm(model: nn.Module) -> None:
+    """BatchNorm with ``momentum=None`` weights each update by 1 / its own step counter, an
+    integer buffer that is not federated: every rank's model instance counts the batches of
+    the clients it trained, so the running statistics would depend on the ranks. (The server
+    trainer alone counts the same steps on every rank, so it accepts such a model.)"""
+    cumulative = [n or type(model).__name__ for n, m in model.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None]
+    if cumulative:
+        raise ConfigError(f"BatchNorm with momentum=None ({', '.join(cumulative)}) averages its running "
+                          f"statistics over its own step counter, which each rank's model instance counts "
+                          f"for whatever clients it trained: results would depend on the ranks. Give it a "
+                          f"momentum (torch's default is 0.1)")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import BIN, FAST, REPO, clean_env, final_weights, free_port, launch, max_diff
 
@@ -230,3 +231,19 @@ def test_two_ranks_sharing_one_gpu_match_one_rank(tmp_path):
                               "--collective-backend", "nccl", "--out", str(tmp_path / "refused")], cwd=REPO,
                              env=clean_env(), capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "one rank per GPU" in refused.stderr
+
+
+def test_final_model_file_is_the_same_on_one_and_two_ranks_with_batchnorm(tmp_path):
+    """Every entry of final_model.pt, BatchNorm's integer step counter included: that counter is
+    not federated (no float state, so not averaged), and the file must not hold whatever count
+    the model instance of rank 0 happened to reach."""
+    args = FAST + ["--partition", "iid", "--seed", "3", "--model", "cnn", "--model-opt", "norm=batch"]
+    states = []
+    for ranks in (1, 2):
+        out = str(tmp_path / f"r{ranks}")
+        p = launch(args + ["--out", out], ranks=ranks)
+        assert p.returncode == 0, p.stderr[-3000:]
+        states.append(final_weights(out))
+    assert any(k.endswith("num_batches_tracked") for k in states[0])
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k

@@ -435,3 +435,30 @@ def test_uploads_are_summed_exactly_not_in_float64_rank_order():
     assert seen["weight"] == 4.0
     assert seen["totals"][:2].tolist() == [3.5, -3.5]
     assert (2.0 ** 60 + 3.0) - 2.0 ** 60 + 0.5 == 0.5  # the plain running sum this replaces
+
+
+def test_cumulative_batchnorm_is_refused_with_the_fix(monkeypatch):
+    """BatchNorm with momentum=None averages over its own step counter, which is not federated."""
+    from torch import nn
+
+    from fedhpc.errors import ConfigError
+    from fedhpc.flat import refuse_cumulative_batchnorm
+
+    with pytest.raises(ConfigError, match=r"momentum=None \(1\).*0\.1"):
+        refuse_cumulative_batchnorm(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None)))
+    refuse_cumulative_batchnorm(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))  # the default momentum is fine
+
+    # and the engine asks before it trains anything
+    import fedhpc.engine as engine_module
+
+    def cumulative_cnn(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.momentum = None
+        return model
+
+    monkeypatch.setattr(engine_module, "build_model", cumulative_cnn)
+    cfg = RunConfig(model="cnn", model_options={"norm": "batch"}, rounds=1, quiet=True, tensorboard=False)
+    with pytest.raises(ConfigError, match="momentum=None"):
+        Engine(cfg, None, None, World(threads=1))
