@@ -193,6 +193,23 @@ def test_dynamic_keeps_mu_fixed_and_needs_no_accuracies():
         assert "acc_overall" not in m
 
 
+def test_a_checkpoint_resumes_only_under_its_layer_numbering():
+    """--first-layer-index is an option with a default, outside the run identity; checkpoints
+    from before it existed numbered the layers from 0."""
+    from fedhpc.errors import CheckpointError
+
+    eng = engine(["--algo", "pmixfed", *BASE])
+    state = eng.algo.state_dict()
+    assert state["first_layer_index"] == 1
+    eng.algo.load_state_dict(state)
+    with pytest.raises(CheckpointError, match="--first-layer-index 0"):
+        eng.algo.load_state_dict({"acc_global": 0.5})                     # written before the option
+    old = engine(["--algo", "pmixfed_dynamic", *BASE, "--first-layer-index", "0"])
+    old.algo.load_state_dict({"acc_global": 0.5})                        # resumed as it ran
+    with pytest.raises(CheckpointError, match="--first-layer-index 1"):
+        old.algo.load_state_dict(state)
+
+
 def test_options_are_checked():
     with pytest.raises(ConfigError, match="--direction"):
         parse_args(["--algo", "pmixfed", "--direction", "upwards"])

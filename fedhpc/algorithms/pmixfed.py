@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from . import register_algorithm
 from .base import Upload
 from .personal import PersonalAlgorithm, PersonalOptions
@@ -248,10 +248,20 @@ class PMixFed(PersonalAlgorithm):
         return out
 
     def state_dict(self):
-        return {"acc_global": self.acc_global}
+        return {"acc_global": self.acc_global, "first_layer_index": self.options.first_layer_index}
 
     def load_state_dict(self, state):
         self.acc_global = float(state.get("acc_global", 1.0))
+        # A run's layer numbering must not change halfway. It is an option with a default, which
+        # the run identity does not record, and checkpoints written before the option existed
+        # numbered the layers from 0.
+        saved = int(state.get("first_layer_index", 0))
+        if saved != self.options.first_layer_index:
+            raise CheckpointError(
+                f"this {self.name} checkpoint numbered Eq. 6's layers from {saved} (--first-layer-index {saved}"
+                f"{', the only numbering before the option existed' if 'first_layer_index' not in state else ''}), "
+                f"this run from {self.options.first_layer_index}; resume with --first-layer-index {saved}, "
+                f"or use another --out for a new run")
 
 
 @dataclass
