@@ -518,7 +518,7 @@ def test_a_client_downloads_the_means_once_per_refresh(cfg_factory, refresh, ser
     # 2 ranks: every rank keeps the same record, and the bytes summed over ranks are the same
     two = ThreadRanks(2).run(lambda comm: download_ledger(data, opts, rounds, k, comm=comm))
     assert [a + b for a, b in zip(two[0][0], two[1][0])] == expect
-    assert torch.equal(two[0][1].held, two[1][1].held) and torch.equal(two[0][1].held, ex.held)
+    assert torch.equal(two[0][1].kept.version, two[1][1].kept.version) and torch.equal(two[0][1].kept.version, ex.kept.version)
 
 
 def test_client_sizes_that_disagree_with_the_clients_are_refused(cfg_factory):

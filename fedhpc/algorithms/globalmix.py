@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
-from ..exchanges.mean_data import auditing, canonical_order, owner_rank, record_sent
+from ..exchanges.mean_data import KeptCopies, auditing, canonical_order, owner_rank, record_sent
 from . import register_algorithm
 from .base import Algorithm, derive_seed
 from .fedprox import add_proximal_term
@@ -83,7 +83,7 @@ class GlobalMix(Algorithm):
         self.space = MixSpace(self.data.task, self.data.num_classes)
         self.space.check(self.model)
         self.pool = None
-        self.holds_pool = None  # (N,) bool: which clients received the pool (the download ledger)
+        self.kept = KeptCopies(self.data.num_clients)  # who received the pool (the download ledger)
         self.warn("GlobalMix VIOLATES PRIVACY: every client shares its raw training samples with "
                   "the other clients. It is a reference upper bound, not a federated algorithm.",
                   PrivacyViolationWarning)
@@ -140,27 +140,21 @@ class GlobalMix(Algorithm):
                 up = 0  # a resumed run rebuilds what was shared before round 1: nothing is re-sent
         if up and self.comm.rank == 0:  # summed over ranks: book the shared pool once
             self.ledger.add("up", "raw_samples", up)
-        if self.holds_pool is None:
-            self.holds_pool = torch.zeros(self.data.num_clients, dtype=torch.bool)
-        # the round's sampled clients are the same list on every rank, so this is too
-        self.receives_pool = ~self.holds_pool
-        self.holds_pool[torch.as_tensor(rnd.sampled, dtype=torch.long)] = True
+        self.kept.round_begin(0, rnd.sampled)  # one pool for the whole run: version 0
 
     def download(self, ctx):
         super().download(ctx)
         mask = self.pool["owner"] != ctx.cid
-        if self.receives_pool[ctx.cid]:  # later rounds it mixes with the copy it kept
+        if self.kept.receives(ctx.cid):  # later rounds it mixes with the copy it kept
             ctx.ledger.add("down", "raw_samples", self._pool_bytes(mask))
         ctx.extra["partners"] = mask.nonzero().flatten()
         ctx.extra["select_gen"] = ctx.generator("raw_select")
 
     def state_dict(self):
-        return {} if self.holds_pool is None else {"holds_pool": self.holds_pool.clone()}
+        return self.kept.state_dict()
 
     def load_state_dict(self, state):
-        # a checkpoint from before this record: every client books one more download (ledger only)
-        held = state.get("holds_pool")
-        self.holds_pool = None if held is None else held.to("cpu", torch.bool).clone()
+        self.kept.load_state_dict(state)
 
     # ---------------------------------------------------------------- local objective
     def loss(self, model, x, y, ctx):

@@ -477,6 +477,39 @@ def server_average(md: MeanData, m: int, seed: int) -> MeanData:
     return MeanData(x, y, torch.stack(owners), torch.stack(counts), md.uploaded_bytes)
 
 
+class KeptCopies:
+    """Which version of a shared table (MAFL's means, GlobalMix's raw pool) every client keeps.
+
+    A client downloads the table the first round it is sampled after the table changed and
+    keeps it: later rounds it mixes with its copy, and the ledger books nothing. Updated from
+    the round's sampled clients, the same list on every rank, so it is identical on every
+    rank; checkpointed through :meth:`state_dict`.
+    """
+
+    def __init__(self, num_clients: int):
+        #: (N,) int64: the version each client keeps, -1 none
+        self.version = torch.full((num_clients,), -1, dtype=torch.int64)
+        self._receives = torch.zeros(num_clients, dtype=torch.bool)
+
+    def round_begin(self, version: int, sampled) -> None:
+        """This round's table is ``version``; the clients ``sampled`` get it if they lack it."""
+        self._receives = self.version != version
+        self.version[torch.as_tensor(sampled, dtype=torch.long)] = version
+
+    def receives(self, cid: int) -> bool:
+        """Whether client ``cid`` (sampled this round) downloads the table this round."""
+        return bool(self._receives[cid])
+
+    def state_dict(self) -> dict:
+        return {"version": self.version.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        # A checkpoint from before this record: every client counts as keeping nothing, so each
+        # books one more download than the uninterrupted run would (the ledger only).
+        if state.get("version") is not None:
+            self.version = state["version"].to("cpu", torch.int64).clone()
+
+
 class MeanDataExchange:
     """The per-algorithm state of MAFL: when to refresh, the current (Xg, Yg), the ledger.
 
@@ -486,20 +519,16 @@ class MeanDataExchange:
     The download is booked once per refresh and client, the first round the client is
     sampled after the refresh: Alg. 1 sends (Xg, Yg) to the sampled clients only "if
     updated", and the means are "only exchanged at the beginning of the first
-    communication round" (Sec. 3.4), so a client keeps the table it received. With
-    ``every_round`` every round is a refresh, so every sampled client downloads. ``held``
-    records, per client, the refresh whose table it holds; it is updated in
-    ``round_begin`` from the round's sampled clients (the same list on every rank), so it
-    is identical on every rank, and it is checkpointed (:meth:`state_dict`).
+    communication round" (Sec. 3.4), so a client keeps the table it received
+    (:class:`KeptCopies`, versions numbered by refresh). With ``every_round`` every round is
+    a refresh, so every sampled client downloads.
     """
 
     def __init__(self, algo, opts: MeanDataOptions):
         self.algo, self.opts = algo, opts
         self.means: Optional[MeanData] = None
-        #: (N,) int32: the refresh (round index; 0 with ``once``) whose table each client holds, -1 none
-        self.held: Optional[torch.Tensor] = None
-        #: (N,) bool: the clients not holding the current table before this round; a sampled one receives it
-        self.receives: Optional[torch.Tensor] = None
+        #: the refresh (round index; 0 with ``once``) whose table each client keeps
+        self.kept = KeptCopies(algo.data.num_clients)
 
     def round_begin(self, rnd) -> None:
         a, o = self.algo, self.opts
@@ -513,10 +542,7 @@ class MeanDataExchange:
                 up = self.means.uploaded_bytes
         if up and a.comm.rank == 0:
             a.ledger.add("up", "mean_data", up)
-        if self.held is None:
-            self.held = torch.full((a.data.num_clients,), -1, dtype=torch.int32)
-        self.receives = self.held != refresh  # read for the sampled clients only (their download)
-        self.held[torch.as_tensor(rnd.sampled, dtype=torch.long)] = refresh
+        self.kept.round_begin(refresh, rnd.sampled)
 
     def download(self, ctx, mix_with: str = "others") -> MeanRows:
         """The entries client ctx.cid mixes with this round; books the bytes in the ledger.
@@ -531,16 +557,13 @@ class MeanDataExchange:
         if mix_with == "own":
             return self.means.own(ctx.cid)
         got = self.means if mix_with == "all" else self.means.external(ctx.cid)
-        if self.receives[ctx.cid]:
+        if self.kept.receives(ctx.cid):
             ctx.ledger.add("down", "mean_data", got.nbytes())
         return got
 
     def state_dict(self) -> dict:
-        """Which table every client holds: what the download ledger of later rounds depends on."""
-        return {} if self.held is None else {"held": self.held.clone()}
+        """Which table every client keeps: what the download ledger of later rounds depends on."""
+        return self.kept.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        # A checkpoint from before this record: every client counts as holding nothing, so each
-        # books one more download than the uninterrupted run would (the ledger only).
-        held = state.get("held")
-        self.held = None if held is None else held.to("cpu", torch.int32).clone()
+        self.kept.load_state_dict(state)
