@@ -437,24 +437,21 @@ def test_algorithms_train_lstm_char_on_text_in_embedding_space(algo, recwarn):
         assert metrics["bytes_up_mean_data"] == 3 * 2 * 6 * 7 * 4  # booked once, by rank 0, in round_begin
 
 
-@pytest.mark.parametrize("refresh", ["once", "every_round"])
-def test_mean_download_is_booked_once_per_refresh_and_survives_a_resume(tmp_path, refresh):
-    """Round by round, bytes_down_mean_data is the brute-force count of clients sampled for the first
-    time since the last refresh times their n-1 external means; a run interrupted after round 2 and
-    resumed from its checkpoint books the same rounds and the same cumulative total."""
+def full_and_resumed_rows(tmp_path, algo, extra=()):
+    """metrics.jsonl rows of an 8-client, 5-round run of ``algo`` ("full") and of the same run
+    interrupted after round 2 and resumed from its checkpoint ("cut"); and its argv."""
     import json
     import os
 
     from standard_runner import run_case
 
-    from fedhpc.engine import Preempted, sample_clients
+    from fedhpc.engine import Preempted
     from fedhpc.world import World
 
-    n, k, rounds, seed = 8, 3, 5, 1
-    argv = ["--algo", "naivemix", "--dataset", "digits", "--num-clients", str(n), "--clients-per-round", str(k),
-            "--rounds", str(rounds), "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--model", "mlp",
-            "--partition", "iid", "--seed", str(seed), "--threads", "1", "--quiet", "--no-tensorboard",
-            "--checkpoint-every", "1", "--mean-refresh", refresh]
+    argv = ["--algo", algo, "--dataset", "digits", "--num-clients", "8", "--clients-per-round", "3",
+            "--rounds", "5", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--model", "mlp",
+            "--partition", "iid", "--seed", "1", "--threads", "1", "--quiet", "--no-tensorboard",
+            "--checkpoint-every", "1", *extra]
     run_case(argv + ["--out", str(tmp_path / "full")], World(threads=1))
     out = str(tmp_path / "cut")
     with pytest.raises(Preempted):
@@ -462,6 +459,18 @@ def test_mean_download_is_booked_once_per_refresh_and_survives_a_resume(tmp_path
     run_case(argv + ["--out", out, "--resume"], World(threads=1))
     rows = {d: [json.loads(line) for line in open(os.path.join(tmp_path, d, "metrics.jsonl"))]
             for d in ("full", "cut")}
+    return rows, argv
+
+
+@pytest.mark.parametrize("refresh", ["once", "every_round"])
+def test_mean_download_is_booked_once_per_refresh_and_survives_a_resume(tmp_path, refresh):
+    """Round by round, bytes_down_mean_data is the brute-force count of clients sampled for the first
+    time since the last refresh times their n-1 external means; a run interrupted after round 2 and
+    resumed from its checkpoint books the same rounds and the same cumulative total."""
+    from fedhpc.engine import sample_clients
+
+    n, k, rounds, seed = 8, 3, 5, 1
+    rows, _ = full_and_resumed_rows(tmp_path, "naivemix", ["--mean-refresh", refresh])
     entry = (64 + 10) * 4  # one float32 mean per client: 64 pixels and 10 label entries
     assert rows["full"][0]["bytes_up_mean_data"] == n * entry
     expect, have = [], set()
@@ -481,27 +490,11 @@ def test_mean_download_is_booked_once_per_refresh_and_survives_a_resume(tmp_path
 def test_globalmix_pool_download_is_booked_once_per_client_and_survives_a_resume(tmp_path):
     """The raw pool is received the first round a client is sampled; which clients hold it is
     checkpointed, so a run interrupted after round 2 books what the uninterrupted run books."""
-    import json
-    import os
-
-    from standard_runner import run_case
-
-    from fedhpc.engine import Preempted, sample_clients
-    from fedhpc.world import World
+    from fedhpc.engine import sample_clients
 
     n, k, rounds, seed = 8, 3, 5, 1
-    argv = ["--algo", "globalmix", "--dataset", "digits", "--num-clients", str(n), "--clients-per-round", str(k),
-            "--rounds", str(rounds), "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--model", "mlp",
-            "--partition", "iid", "--seed", str(seed), "--threads", "1", "--quiet", "--no-tensorboard",
-            "--checkpoint-every", "1"]
     with pytest.warns(UserWarning, match="VIOLATES PRIVACY"):
-        run_case(argv + ["--out", str(tmp_path / "full")], World(threads=1))
-        out = str(tmp_path / "cut")
-        with pytest.raises(Preempted):
-            run_case(argv + ["--out", out], World(threads=1), interrupt_after=2)
-        run_case(argv + ["--out", out, "--resume"], World(threads=1))
-    rows = {d: [json.loads(line) for line in open(os.path.join(tmp_path, d, "metrics.jsonl"))]
-            for d in ("full", "cut")}
+        rows, argv = full_and_resumed_rows(tmp_path, "globalmix")
     from fedhpc.config import parse_args
     from fedhpc.data import build_dataset
 
