@@ -16,8 +16,8 @@ What more than one of them needs lives here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
