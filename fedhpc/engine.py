@@ -28,7 +28,7 @@ from .evaluation import Evaluation
 from .flat import FlatModel, refuse_cumulative_batchnorm
 from .io import atomic_torch_save
 from .models import build_model
-from .models.shapes import check_single_sample_batches
+from .models.shapes import check_evaluation_shape, check_single_sample_batches
 from .run_log import RunLog
 from .reproducible_sum import MAX_TERMS, ReproducibleSum, storage_numel
 from .world import World, exact_sum_step
@@ -101,9 +101,12 @@ class Engine(Evaluation, RunLog):
         model_name = cfg.model if cfg.model != "auto" else self.data.default_model()
         self.model_name = model_name
         torch.manual_seed(derive_seed(cfg.seed, "init"))  # same initial model on every rank
-        model = build_model(model_name, self.data.input_shape, self.data.num_classes, cfg.model_options)
+        # Built for what training feeds it (a 224-px crop of 256-px stored images, say).
+        model = build_model(model_name, self.data.model_input_shape(train=True), self.data.num_classes,
+                            cfg.model_options)
         self.model = model.to(world.device)
         refuse_cumulative_batchnorm(self.model)
+        check_evaluation_shape(self.model, model_name, self.data, world.device)
         self.flat = FlatModel(self.model)
         self.global_state = self.flat.flat.detach().clone()
 
@@ -115,7 +118,8 @@ class Engine(Evaluation, RunLog):
         self.algo.setup()
         check_single_sample_batches(
             self.model, model_name, [(c, int(self.sizes[c])) for c in self.training_clients], cfg.batch_size,
-            lambda cid: self.data.transform(self.data.client(cid).x[:1], False, None).to(world.device),
+            lambda cid: self.data.transform(self.data.client(cid).x[:1], True,
+                                            torch.Generator().manual_seed(0)).to(world.device),
             self.algo.probe_forward)
         if cfg.clients_at_once > 1:  # refuse what the batched path cannot train exactly, before any round
             from .batched import check_batchable

@@ -131,3 +131,55 @@ def test_gradaug_file_resizes_to_the_authors_resolutions():
     assert [resize(crops, s).shape[-1] for s in parse_scales(algo_opts.scales)] == [224, 192, 160, 128]
     _, quick, _ = parse_args(["--config", path, "--scales", "1.0,0.875,0.75,0.625"])
     assert [resize(torch.zeros(1, 3, 64, 64), s).shape[-1] for s in parse_scales(quick.scales)] == [64, 56, 48, 40]
+
+
+def run_cropped(tmp_path, capsys, *argv, center_crop=8):
+    """One short imagenet200 run on 12-px stored images with 8-px RandomResizedCrops."""
+    from fedhpc.launch import main
+
+    tmp_path.mkdir(exist_ok=True)
+    write_prepared(str(tmp_path), side=12)
+    out = tmp_path / "out"
+    code = main(["--dataset", "imagenet200", "--data-dir", str(tmp_path), "--out", str(out), "--rounds", "1",
+                 "--num-clients", "2", "--clients-per-round", "2", "--batch-size", "8", "--local-epochs", "1",
+                 "--client-test-fraction", "0", "--quiet", "--threads", "1", "--no-tensorboard",
+                 "--data-opt", "store=memory", "--data-opt", "crop_padding=0", "--data-opt", "resized_crop=8",
+                 "--data-opt", f"center_crop={center_crop}", *argv])
+    return code, capsys.readouterr().err, out
+
+
+def test_models_are_built_for_the_cropped_inputs_not_the_stored_ones(tmp_path, capsys):
+    """A model that flattens a fixed size (cnn) trains on 8-px crops of 12-px images: it must be
+    built for 8x8 (building it for the stored 12x12 fails at the first batch)."""
+    from fedhpc.models import build_model
+
+    code, err, out = run_cropped(tmp_path, capsys, "--model", "cnn")
+    assert code == 0, err
+    saved = torch.load(out / "final_model.pt", map_location="cpu")
+    built = build_model("cnn", (3, 8, 8), 4).state_dict()
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in built.items()}
+    assert {k: v.shape for k, v in saved.items()} != {
+        k: v.shape for k, v in build_model("cnn", (3, 12, 12), 4).state_dict().items()}
+
+
+def test_evaluation_inputs_a_fixed_size_model_cannot_take_are_refused_before_any_round(tmp_path, capsys):
+    code, err, out = run_cropped(tmp_path, capsys, "--model", "cnn", center_crop=0)
+    assert code == 2, err
+    assert "cannot take the evaluation inputs, 3x12x12" in err and "training inputs, 3x8x8" in err
+    assert "--data-opt center_crop=8" in err and "Traceback" not in err
+    assert not (out / "final_model.pt").exists()
+
+
+def test_a_model_that_pools_adaptively_tests_at_the_larger_size(tmp_path, capsys):
+    """FixRes-style: train on 8-px crops, test on whole 12-px images; mean data would mix the two
+    sizes, so FedMix is refused with the same fix."""
+    code, err, _ = run_cropped(tmp_path, capsys, "--model", "resnet_digits", center_crop=0)
+    assert code == 0, err
+    code, err, _ = run_cropped(tmp_path / "fedmix", capsys, "--model", "resnet_digits", "--algo", "fedmix",
+                               center_crop=0)
+    assert code == 2, err
+    assert "mean data average evaluation-transformed inputs (3x12x12)" in err
+    assert "training batches (3x8x8)" in err and "center_crop=8" in err
+    # crops that agree: the mean table holds 8x8 means (it was sized for the stored 12x12)
+    code, err, _ = run_cropped(tmp_path / "agree", capsys, "--model", "cnn", "--algo", "fedmix")
+    assert code == 0, err

@@ -260,7 +260,8 @@ class RunAnalysis:
         name = self.cfg.model if self.cfg.model != "auto" else self.data.default_model()
 
         def make():
-            m = build_model(name, self.data.input_shape, self.data.num_classes, self.cfg.model_options)
+            m = build_model(name, self.data.model_input_shape(train=True), self.data.num_classes,
+                            self.cfg.model_options)
             configure = getattr(ALGORITHMS.get(self.cfg.algo), "configure_model", None)
             if configure is not None:  # e.g. StochDepth's keep probabilities: evaluate what was trained
                 configure(m, algo_options)

@@ -147,6 +147,24 @@ class FederatedData(ABC):
     def default_model(self) -> str:
         return "mlp"
 
+    def model_input_shape(self, train: bool = True) -> Tuple[int, ...]:
+        """Shape of one model input: a stored sample after ``transform`` (without the batch dimension).
+
+        ``input_shape`` is the *stored* shape; the two differ when the transform crops (a 224-px
+        RandomResizedCrop or centre crop of 256-px stored images). Models are built for the
+        training shape, mean data live in the evaluation shape (:func:`model_input_means`).
+        Found by transforming one stored sample (a throwaway generator: no stream the run
+        draws from moves), so any transform a user plugs in is covered.
+        """
+        cache = self.__dict__.setdefault("_model_input_shapes", {})
+        if train not in cache:
+            x = self.test_slice(0, 1)[0] if self.num_test() > 0 else self.client(0).x[:1]
+            if x.shape[0] == 0:
+                return tuple(self.input_shape)
+            gen = torch.Generator().manual_seed(0) if train else None
+            cache[train] = tuple(int(s) for s in self.transform(x, train, gen).shape[1:])
+        return cache[train]
+
     @property
     def augments(self) -> bool:
         """Whether training batches are randomly augmented (a generator is then made per epoch)."""

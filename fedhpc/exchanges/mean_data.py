@@ -368,7 +368,7 @@ def _shapes(data) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     if data.task == "next_char":
         t = int(data.input_shape[0])
         return (t, data.num_classes), (t, data.num_classes)
-    return tuple(data.input_shape), (data.num_classes,)
+    return data.model_input_shape(train=False), (data.num_classes,)  # means are of evaluation-transformed inputs
 
 
 #: the all_gather buffers of one piece hold about 1/PIECE_FRACTION of the table, and at
@@ -387,6 +387,12 @@ def exchange_means(data, comm, opts: MeanDataOptions, seed: int, refresh: int,
     """
     device = torch.device("cpu") if device is None else device
     xshape, yshape = _shapes(data)
+    train_shape = data.model_input_shape(train=True)
+    if data.task != "next_char" and train_shape != xshape:
+        raise ConfigError(
+            f"mean data average evaluation-transformed inputs ({'x'.join(map(str, xshape))}) and are mixed with "
+            f"training batches ({'x'.join(map(str, train_shape))}): the data options crop the two to different "
+            f"sizes; make them agree (e.g. --data-opt center_crop={train_shape[-1]})")
     dx, dy = int(np.prod(xshape)), int(np.prod(yshape))
     layout = MeanLayout.build(data.client_sizes(), opts)
     if len(layout.per_client) != data.num_clients:

@@ -73,3 +73,29 @@ def check_single_sample_batches(model: nn.Module, model_name: str, sizes: Sequen
                 f"channel, which BatchNorm cannot train on ({len(lone)} client(s) have such a batch). Use a "
                 f"--batch-size that leaves no client a single-sample batch{hint}, a model made for inputs of "
                 f"this size, or one without BatchNorm") from None
+
+
+def check_evaluation_shape(model: nn.Module, model_name: str, data, device) -> None:
+    """Refuse, before any round, evaluation inputs the model (built for the training shape) cannot take.
+
+    Training and evaluation batches differ in shape when the data options crop them differently
+    (``resized_crop=224`` with ``center_crop=0`` on 256-px images: 224-px training crops, whole
+    256-px test images). A model that pools adaptively takes both (FixRes-style testing at a
+    larger size is deliberate); one that flattens a fixed size would fail at the first
+    evaluation, after a round of training: find out now with one forward on a zero input.
+    """
+    train_shape, eval_shape = data.model_input_shape(train=True), data.model_input_shape(train=False)
+    if train_shape == eval_shape:
+        return
+    probe = copy.deepcopy(model).eval()
+    dtype = next((p.dtype for p in probe.parameters() if p.is_floating_point()), torch.float32)
+    with torch.no_grad():
+        try:
+            probe(torch.zeros((1,) + tuple(eval_shape), dtype=dtype, device=device))
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(
+                f"model {model_name!r} is built for the training inputs, {'x'.join(map(str, train_shape))}, and "
+                f"cannot take the evaluation inputs, {'x'.join(map(str, eval_shape))} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}): the data options crop training and evaluation "
+                f"batches to different sizes. Make them agree (e.g. --data-opt center_crop={train_shape[-1]} "
+                f"with resized_crop={train_shape[-1]}) or use a model that pools adaptively") from None
