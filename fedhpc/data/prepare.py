@@ -1,12 +1,14 @@
 """One-off dataset preparation that is too slow to do at the start of every run.
 
-``python -m fedhpc.data.prepare imagenet200 --src DIR --out FILE.h5 --size 64 --seed 0``
+``python -m fedhpc.data.prepare imagenet200 --src DIR --out FILE.h5 --size 256 --seed 0``
 
 reads an ImageNet-style tree (``DIR/train/<wnid>/*.JPEG``, ``DIR/val/<wnid>/*.JPEG``),
 chooses ``--num-classes`` (default 200) classes with a seeded draw (as FedAlign
 builds its ImageNet-200), resizes every image (shorter side to ``--size``, then a
 centre crop to ``size x size``) and writes one HDF5 file that the ``imagenet200``
-dataset reads::
+dataset reads. ``--size 256`` (the default) feeds FedAlign's 224-px pipeline
+(RandomResizedCrop 224 in training, the central 224x224 in test; about 51 GB for
+200 classes); ``--size 64`` feeds the quick 64-px variant (about 3 GB)::
 
     train/x (N, 3, S, S) uint8   train/y (N,) int64
     val/x   (M, 3, S, S) uint8   val/y   (M,) int64
@@ -117,7 +119,7 @@ def _write_split(f, name: str, files: List[Tuple[str, int]], size: int, workers:
 
 
 def prepare_image_subset(
-    src: str, out: str, size: int = 64, seed: int = 0, num_classes: int = 200, workers: int = 1
+    src: str, out: str, size: int = 256, seed: int = 0, num_classes: int = 200, workers: int = 1
 ) -> List[str]:
     """Write the subset file (see module docstring); returns the chosen class names."""
     import h5py
@@ -156,7 +158,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("imagenet200", help="seeded class subset of an ImageNet-style tree -> one HDF5 file")
     p.add_argument("--src", required=True, help="folder holding train/<wnid>/*.JPEG and val/<wnid>/*.JPEG")
     p.add_argument("--out", required=True, help="HDF5 file to write (e.g. <data_dir>/imagenet200.h5)")
-    p.add_argument("--size", type=int, default=64, help="output side length in pixels (default 64)")
+    p.add_argument("--size", type=int, default=256,
+                   help="output side length in pixels (default 256, for the 224-px crops of FedAlign's pipeline; "
+                        "64 for the quick variant)")
     p.add_argument("--seed", type=int, default=0, help="seed of the class choice (default 0)")
     p.add_argument("--num-classes", type=int, default=200, help="classes to keep (default 200)")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
