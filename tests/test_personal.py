@@ -314,6 +314,39 @@ def test_final_adapt_adapts_the_final_global_model_for_every_trained_client():
         parse_args(["--final-adapt", "--client-test-fraction", "0"])
 
 
+@pytest.mark.parametrize("epochs", [0, 2])
+def test_fedavg_fine_tunes_all_layers_under_final_adapt(epochs):
+    """App. 10.1: FedAvg's personalisation "simply involves updating all layers jointly": each
+    trained client takes the final global model through --finetune-epochs epochs of plain SGD on
+    its batches of round T; 0 leaves the global model as it is."""
+    eng = engine(["--algo", "fedavg", *BASE, "--model", "mlp", "--final-adapt", "--finetune-epochs", str(epochs),
+                  "--lr-decay", "0.9"])
+    for t in range(2):
+        eng.run_round(t)
+    got = eng._evaluate_final_adapted()
+    lr = 0.05 * 0.9 ** eng.cfg.rounds
+    accs, global_accs = [], []
+    for cid in eng.training_clients:
+        c = eng.data.client(cid)
+        x, y = eng.data.client_test_split(cid)
+        m = model_at(eng, eng.global_state.double())
+        with torch.no_grad():
+            global_accs.append(int((m(x.double()).argmax(-1) == y).sum()) / len(y))
+        for epoch in range(epochs):
+            for idx in batch_indices(eng.cfg.seed, eng.cfg.rounds, cid, epoch, c.num_train, eng.cfg.batch_size):
+                g = autograd(m, F.cross_entropy(m(c.x[idx].double()), c.y[idx]))
+                with torch.no_grad():
+                    for p, gi in zip(m.parameters(), g):
+                        p -= lr * gi
+        with torch.no_grad():
+            accs.append(int((m(x.double()).argmax(-1) == y).sum()) / len(y))
+    assert got["local_test_accuracy_adapted_mean"] == pytest.approx(sum(accs) / len(accs), abs=1e-12)
+    if epochs == 0:
+        assert accs == global_accs
+    else:
+        assert accs != global_accs, "two epochs of fine-tuning must change some client's predictions"
+
+
 # ----------------------------------------------------------------------------- 2 ranks
 
 def test_personal_state_evaluation_and_cold_start_on_two_ranks(tmp_path):

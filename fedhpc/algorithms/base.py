@@ -246,11 +246,12 @@ class Algorithm:
         """The local objective on one mini-batch."""
         return task_loss(model(x), y)
 
-    def local_update(self, model: nn.Module, ctx: ClientContext) -> None:
-        """E epochs of mini-batch steps on ``loss``; records the training loss."""
+    def local_update(self, model: nn.Module, ctx: ClientContext, epochs: Optional[int] = None) -> None:
+        """``epochs`` (default: --local-epochs) epochs of mini-batch steps on ``loss``; records the
+        training loss. Fine-tuning (``adapt``) calls it with its own number of epochs."""
         opt = self.make_optimizer(model, ctx)
         params = [p for p in model.parameters() if p.requires_grad]
-        for epoch in range(self.cfg.local_epochs):
+        for epoch in range(self.cfg.local_epochs if epochs is None else epochs):
             for x, y in ctx.batches(epoch):
                 opt.zero_grad(set_to_none=True)
                 loss = self.loss(model, x, y, ctx)

@@ -10,7 +10,7 @@ so buffers always take the plain average.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,12 +22,17 @@ from .base import Algorithm
 
 @dataclass
 class FedAvgOptions:
-    #: server step size on the averaged update (1.0 = plain FedAvg)
-    server_lr: float = 1.0
-    #: server momentum on the averaged update (FedAvgM; 0 = off)
-    server_momentum: float = 0.0
+    server_lr: float = field(default=1.0, metadata={
+        "help": "server step size on the averaged update (1.0 = plain FedAvg)"})
+    server_momentum: float = field(default=0.0, metadata={
+        "help": "server momentum on the averaged update (FedAvgM; 0 = off)"})
+    finetune_epochs: int = field(default=0, metadata={
+        "help": "epochs a client fine-tunes the final global model, all layers, before --final-adapt and "
+                "--cold-start-fraction evaluate it (pMixFed App. 10.1: r = 4; 0 = the global model as it is)"})
 
     def validate(self):
+        if self.finetune_epochs < 0:
+            raise ConfigError(f"--finetune-epochs must be >= 0, got {self.finetune_epochs}")
         if not self.server_lr > 0:
             raise ConfigError(f"--server-lr must be positive, got {self.server_lr}")
         if not 0 <= self.server_momentum < 1:
@@ -68,6 +73,13 @@ class FedAvg(Algorithm):
         params = self.flat.num_params  # parameters come first; buffers (BN statistics): the plain average
         stepped[params:] = average[params:]
         return stepped
+
+    def adapt(self, model, ctx):
+        """A client personalising the final global model (pMixFed App. 10.1: FedAvg "simply
+        involves updating all layers jointly during the fine-tuning process"): the local update
+        for ``finetune_epochs`` epochs."""
+        if self.options.finetune_epochs > 0:
+            self.local_update(model, ctx, epochs=self.options.finetune_epochs)
 
     def state_dict(self):
         return {"server_velocity": self.server_velocity}
