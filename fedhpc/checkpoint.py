@@ -174,27 +174,74 @@ def _read(directory: str) -> Dict[str, Any]:
     return body
 
 
-def _canonical_names(identity: Dict[str, Any]) -> Dict[str, Any]:
-    """``identity`` with the algorithm, dataset and model named as their registries spell them:
-    runs started before the launcher stored canonical names hold what was typed ('Fedprox', the
-    alias 'fl'), and must still resume under today's spelling."""
+def _canonical(identity: Dict[str, Any]) -> Dict[str, Any]:
+    """``identity`` as today's code reads it, so that settings spelled differently but meaning
+    the same run compare equal:
+
+    * the algorithm, dataset and model named as their registries spell them (runs started before
+      the launcher stored canonical names hold what was typed: 'Fedprox', the alias 'fl');
+    * the option mappings resolved to every option's value, defaults included: ``{}`` and an
+      option written out at its default (``finetune_epochs: 4``) are the same run, as ``lr: 1e-3``
+      and ``lr: 0.001`` already are. A mapping today's code cannot read (an option since
+      removed) is compared as written. A default whose change alters a running method is the
+      method's to guard in its checkpointed state (pMixFed's ``first_layer_index``).
+    """
+    import dataclasses
+    import inspect
+
     from .algorithms import ALGORITHMS, load_algorithm_modules
+    from .config import build_options
     from .data import DATASETS, load_dataset_modules
     from .models import MODELS, load_model_modules
+    from .server.channel import ChannelOptions
 
     load_algorithm_modules(); load_dataset_modules(); load_model_modules()
     out = dict(identity)
     for key, registry in (("algo", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS)):
         if isinstance(out.get(key), str) and out[key] in registry:
             out[key] = registry.canonical(out[key])
+
+    def resolved(key: str, make: Callable[[Dict[str, Any]], Dict[str, Any]]) -> None:
+        values = out.get(key)
+        if isinstance(values, dict):
+            try:
+                out[key] = json.loads(json.dumps(make(values), default=str))
+            except Exception:  # noqa: BLE001 - not readable today: compared as written
+                pass
+
+    def from_dataclass(cls):
+        return lambda values: dataclasses.asdict(build_options(cls, values, "a checkpoint's settings"))
+
+    if out.get("algo") in ALGORITHMS and ALGORITHMS.get(out["algo"]).Options is not None:
+        resolved("algo_options", from_dataclass(ALGORITHMS.get(out["algo"]).Options))
+    if out.get("dataset") in DATASETS and DATASETS.get(out["dataset"]).options is not None:
+        resolved("data_options", from_dataclass(DATASETS.get(out["dataset"]).options))
+    resolved("channel_options", from_dataclass(ChannelOptions))
+    if out.get("model") in MODELS:
+        params = inspect.signature(MODELS.get(out["model"])).parameters
+
+        def model_options(values):
+            if set(values) - set(params):
+                raise KeyError("unknown model option")
+            return {**{k: p.default for k, p in params.items() if k not in ("input_shape", "num_classes")},
+                    **values}
+        resolved("model_options", model_options)
     return out
 
 
 def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, Any]) -> None:
-    saved, now = _canonical_names(body.get("identity") or {}), _canonical_names(identity)
+    saved, now = _canonical(body.get("identity") or {}), _canonical(identity)
     if saved != now:
-        diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}"
-                 for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        diffs = []
+        for k in sorted(set(saved) | set(now)):
+            a, b = saved.get(k), now.get(k)
+            if a == b:
+                continue
+            if isinstance(a, dict) and isinstance(b, dict):  # name the options that differ, not the mappings
+                diffs += [f"{k}.{o}: checkpoint {a.get(o)!r} vs now {b.get(o)!r}"
+                          for o in sorted(set(a) | set(b)) if a.get(o) != b.get(o)]
+            else:
+                diffs.append(f"{k}: checkpoint {a!r} vs now {b!r}")
         raise CheckpointError(
             f"checkpoint {directory} belongs to a different run ({'; '.join(diffs)}); resume with "
             f"the original settings, or use another --out for the new run")

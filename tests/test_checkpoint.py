@@ -485,6 +485,29 @@ def test_a_checkpoint_naming_the_algorithm_as_typed_resumes_under_its_registry_n
         ckpt.load_latest_intact(out, {**IDENTITY, "algo": "fedprox"}, warn=None)
 
 
+def test_options_written_out_at_their_defaults_are_the_same_run(tmp_path):
+    """Option mappings compare as today's code resolves them: a checkpoint of a run started
+    with {} resumes under a file that now writes an option out at its default (the pMixFed
+    files' finetune_epochs: 4), or model options equal to the builder's defaults; a value that
+    differs is refused, naming just that option."""
+    from fedhpc.config import parse_args
+    from fedhpc.server.channel import ChannelOptions
+    old, _, _ = parse_args(["--algo", "pmixfed", "--model", "cnn", "--channel", "symmetric"])
+    new, _, _ = parse_args(["--algo", "pmixfed", "--model", "cnn", "--channel", "symmetric",
+                            "--finetune-epochs", "4", "--model-opt", "width=16", "--data-opt", "test_fraction=0.2",
+                            "--channel-opt", "num_channels=" + str(ChannelOptions().num_channels)])
+    assert old.identity() != new.identity()
+    out = saved_run(tmp_path, rounds=(10,), identities={10: old.identity()})
+    assert ckpt.load_latest_intact(out, new.identity(), warn=None)[1]["round"] == 10
+    other, _, _ = parse_args(["--algo", "pmixfed", "--model", "cnn", "--channel", "symmetric",
+                              "--finetune-epochs", "2", "--model-opt", "width=8"])
+    with pytest.raises(CheckpointError) as e:
+        ckpt.load_latest_intact(out, other.identity(), warn=None)
+    msg = str(e.value)
+    assert "algo_options.finetune_epochs: checkpoint 4 vs now 2" in msg
+    assert "model_options.width: checkpoint 16 vs now 8" in msg and "mu" not in msg
+
+
 def test_a_checkpoint_from_older_partition_rules_is_refused(tmp_path):
     """classes:K once meant a cyclic deal: a checkpoint written under the old rules names the
     same spec but another split, so resuming it onto today's partition must be refused."""
