@@ -438,6 +438,21 @@ def test_femnist_leaf_natural_and_synthetic(tmp_path):
     check_exact_cover(data, pool, {i: int(femnist_label(i)) for i in pool})
 
 
+def test_femnist_only_digits_never_falls_back_to_leaf(tmp_path):
+    """LEAF has no digits-only release: with only_digits, LEAF files (or TFF's full files) beside
+    a missing digits-only file must be refused, not read as all 62 classes."""
+    write_leaf_femnist(tmp_path / "femnist")
+    with pytest.raises(DataError) as e:
+        build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory", only_digits=True))
+    msg = str(e.value)
+    assert "fed_emnist_digitsonly_train.h5 is missing" in msg and "drop only_digits" in msg
+    write_tff_femnist(tmp_path / "femnist")  # the full TFF files: still not the digits-only ones
+    with pytest.raises(DataError, match="fed_emnist_digitsonly_train.h5 is missing"):
+        build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory", only_digits=True))
+    data = build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory"))
+    assert data.num_classes == 62
+
+
 def test_leaf_malformed(tmp_path):
     root = tmp_path / "femnist"
     write_leaf_femnist(root)

@@ -230,6 +230,12 @@ def build_femnist(cfg, options: FemnistOptions = None):
     opts = checked_options(options, FemnistOptions)
     root = _natural_root(cfg, opts, "femnist", "femnist")
     tff_file = "fed_emnist_digitsonly_train.h5" if opts.only_digits else "fed_emnist_train.h5"
+    if opts.only_digits and not os.path.isfile(os.path.join(root, tff_file)):
+        # LEAF has no digits-only release: falling back to it would train on all 62 classes
+        raise DataError(
+            f"femnist only_digits reads TFF's digits-only files, and {os.path.join(root, tff_file)} is missing "
+            f"({TFF_EMNIST_DIGITS.where()}); put fed_emnist_digitsonly_train.h5 and _test.h5 there, or drop only_digits "
+            f"to train on all 62 classes (TFF's full files or LEAF JSON)")
     source = _pick_source(opts, root, tff_file, TFF_EMNIST, LEAF_FEMNIST,
                           "TFF HDF5 layout examples/<writer>/pixels + label")
     reader = FemnistTFF(cfg, opts, root) if source == "tff" else FemnistLEAF(cfg, opts, root)
