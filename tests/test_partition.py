@@ -216,6 +216,17 @@ def test_bad_classes_specs_are_refused(spec, err):
         make_partition("classes_cyclic:1", LABELS, 5, seed=0)
 
 
+@pytest.mark.parametrize("spec", ["classes:2", "classes_cyclic:2"])
+def test_a_class_smaller_than_its_holders_is_refused_not_dealt_empty(spec):
+    """Six clients, two classes each, three classes: each class has four holders, and a class of
+    one sample would leave three of them with one class, which the contract forbids."""
+    labels = np.array([0] * 20 + [1] * 20 + [2])
+    with pytest.raises(DataError, match=r"class 2 has 1 sample\(s\) but 4 clients are to hold it"):
+        make_partition(spec, labels, 6, seed=0)
+    parts = make_partition(spec, np.array([0] * 20 + [1] * 20 + [2] * 4), 6, seed=0)
+    assert all(len(np.unique(np.array([0] * 20 + [1] * 20 + [2] * 4)[p])) == 2 for p in parts)
+
+
 def test_partition_help_names_both_classes_schemes():
     from fedhpc.data.partition import partition_help
     assert "classes:K" in partition_help() and "classes_cyclic:K" in partition_help()

@@ -384,6 +384,10 @@ def _split_classes(labels, n, rng, holders: Dict[int, List[int]]) -> List[np.nda
     parts: List[List[np.ndarray]] = [[] for _ in range(n)]
     for cl, owners in holders.items():
         idx = rng.permutation(np.flatnonzero(labels == cl))
+        if len(idx) < len(owners):  # some holder would get none of it: fewer than K classes, silently
+            raise DataError(
+                f"class {cl} has {len(idx)} sample(s) but {len(owners)} clients are to hold it, so some would "
+                f"get none of it and hold fewer classes than asked; lower --num-clients or K, or use more data")
         for owner, chunk in zip(owners, np.array_split(idx, len(owners))):
             parts[owner].append(chunk)
     return [np.concatenate(p) for p in parts]
