@@ -252,7 +252,7 @@ class ArrayFederatedData(FederatedData):
         rng = local_split_rng(seed)
         self._train_idx, self._test_idx = [], []
         for cid, idx in enumerate(partition):
-            idx = np.asarray(idx, dtype=np.int64)
+            idx = np.sort(np.asarray(idx, dtype=np.int64))  # pool order, as the HDF5 store holds a client
             train, test = split_local(len(idx), client_test_fraction, rng, cid)
             self._train_idx.append(np.sort(idx[train]))
             self._test_idx.append(np.sort(idx[test]))
