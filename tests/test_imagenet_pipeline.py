@@ -20,7 +20,7 @@ from fedhpc.config import build_options, parse_args
 from fedhpc.data import DATASETS, build_dataset, load_dataset_modules
 from fedhpc.data.augment import ImageTransform
 from fedhpc.data.readers.common import IMAGENET_STATS, image_transform
-from fedhpc.errors import ConfigError
+from fedhpc.errors import ConfigError, DataError
 
 LAUNCH_DIR = os.path.join(os.path.dirname(__file__), "..", "launch")
 IMAGENET_FILES = sorted(f for f in os.listdir(LAUNCH_DIR) if f.startswith("fedalign_imagenet200"))
@@ -183,3 +183,15 @@ def test_a_model_that_pools_adaptively_tests_at_the_larger_size(tmp_path, capsys
     # crops that agree: the mean table holds 8x8 means (it was sized for the stored 12x12)
     code, err, _ = run_cropped(tmp_path / "agree", capsys, "--model", "cnn", "--algo", "fedmix")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_labels_outside_the_classes_are_refused_in_either_split(tmp_path, split):
+    write_prepared(str(tmp_path), side=12)
+    with h5py.File(tmp_path / "imagenet200.h5", "a") as f:
+        y = f[f"{split}/y"][()]
+        y[0] = 4  # the file holds 4 classes
+        f[f"{split}/y"][...] = y
+    cfg = cfg_for(tmp_path, "imagenet200", "iid", 2, client_test_fraction=0.0)
+    with pytest.raises(DataError, match=rf"\({split}/y\) has labels in \[0, 4\] but the dataset has 4 classes"):
+        build_dataset(cfg, data_options(store="memory"))

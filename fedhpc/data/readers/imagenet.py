@@ -80,7 +80,8 @@ class Imagenet200Reader(Reader):
         f = self._file()
         y = f["train/y"][()].astype(np.int64)
         yt = f["val/y"][()].astype(np.int64)
-        check_labels(y, self.num_classes, self.path, IMAGENET)
+        check_labels(y, self.num_classes, f"{self.path} (train/y)", IMAGENET)
+        check_labels(yt, self.num_classes, f"{self.path} (val/y)", IMAGENET)  # else a wrong test accuracy
         x = f["train/x"] if lazy else f["train/x"][()]
         xt = f["val/x"] if lazy else f["val/x"][()]
         return Pool(x, y, xt, yt, y)
