@@ -16,6 +16,7 @@ import inspect
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Type, get_type_hints
 
@@ -175,6 +176,10 @@ class RunConfig:
 
 def _coerce(value: Any, typ: Any, where: str) -> Any:
     """Convert a YAML/CLI value to a dataclass field's type, with a clear error."""
+    if value is None and typ in (bool, int, float, str):
+        # YAML reads `out:` with nothing after it as null; str(None) would be a folder named 'None'
+        raise ConfigError(f"{where} has no value (YAML reads an empty `key:` line as null); give it one, or "
+                          f"remove the line to use the default")
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -380,6 +385,43 @@ def _unknown_settings(path: str, unknown: List[Any], file_values: Dict[str, Any]
     return f"config file {path!r} has unknown setting(s) {unknown}: " + "; ".join(notes) + tail
 
 
+def launcher_rank() -> int:
+    """This process's rank as the launcher's environment says, before any World exists."""
+    for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def _options_for_replaced_algorithm(file_values: Dict[str, Any], flag_algo: Optional[str],
+                                    algo_cls) -> Dict[str, Any]:
+    """A file's ``algo_options`` were written for the file's ``algo``. When ``--algo`` names
+    another one, the options it also has carry over (the pMixFed files' ``finetune_epochs``
+    serves every method of their table) and the others are dropped, not refused: a file's
+    settings cannot be removed from the command line. Both are said, once, on rank 0: an option
+    of the same name may mean another thing (FedProx's mu is not pMixFed's)."""
+    from .algorithms import ALGORITHMS
+
+    file_algo, opts = file_values.get("algo"), file_values.get("algo_options")
+    if (not flag_algo or not isinstance(file_algo, str) or file_algo not in ALGORITHMS or not isinstance(opts, dict)
+            or not opts or ALGORITHMS.canonical(file_algo) == ALGORITHMS.canonical(flag_algo)):
+        return file_values
+    names = {f.name for f in fields(algo_cls.Options)} if algo_cls.Options is not None else set()
+    kept = {k: v for k, v in opts.items() if k in names}
+    dropped = sorted(str(k) for k in opts if k not in names)
+    new_name, old_name = ALGORITHMS.canonical(flag_algo), ALGORITHMS.canonical(file_algo)
+    said = []
+    if kept:
+        said.append(f"{', '.join(f'{k}={v}' for k, v in kept.items())} carried over to {new_name} (an option of "
+                    f"the same name; {', '.join(_flag(k) for k in kept)} sets it)")
+    if dropped:
+        said.append(f"{', '.join(dropped)} dropped ({new_name} has no such option)")
+    if launcher_rank() == 0:
+        print(f"note: --algo {new_name} replaces the file's algo {old_name}; of its algo_options, "
+              f"{'; '.join(said)}", file=sys.stderr, flush=True)
+    return {**file_values, "algo_options": kept}
+
+
 def parse_args(argv: Optional[List[str]] = None):
     """Parse ``argv`` into (RunConfig, algorithm options, data options). Raises ConfigError."""
     from .algorithms import ALGORITHMS, load_algorithm_modules
@@ -412,6 +454,7 @@ def parse_args(argv: Optional[List[str]] = None):
                                             known.model or file_values.get("model")))
     algo_cls = ALGORITHMS.get(algo_name)
     data_spec = DATASETS.get(data_name)
+    file_values = _options_for_replaced_algorithm(file_values, known.algo, algo_cls)
     # The run holds the registry's spelling ('Fedprox' -> 'fedprox', the alias 'fl' -> 'fedavg'): its
     # identity, which --resume compares, and the names reports group by must not depend on the typing.
     algo_name, data_name = ALGORITHMS.canonical(algo_name), DATASETS.canonical(data_name)

@@ -3,11 +3,13 @@ anything is written or any dataset is loaded: YAML files and grids (encoding, du
 names that are not strings, stray option keys), KEY=VALUE options, model options, partition
 specs, and names stored as the registry spells them."""
 
+import os
 import warnings
 
 import pytest
 import yaml
 
+from conftest import REPO
 from fedhpc.config import parse_args
 from fedhpc.errors import ConfigError
 from fedhpc.launch import main
@@ -298,3 +300,39 @@ def test_a_single_sample_batch_batchnorm_cannot_train_on_is_refused_before_any_r
     # a batch size that leaves no client a lone sample, or a model that never reaches 1x1, is fine
     assert main(SINGLE + argv + ["--batch-size", "288"]) == 0
     assert main(SINGLE + ["--model", "cnn", "--model-opt", "norm=batch", "--batch-size", "287"]) == 0
+
+
+def test_an_empty_yaml_value_is_refused_not_read_as_the_text_none(tmp_path):
+    """`out:` with nothing after it is YAML null; str(None) made a folder named 'None'."""
+    path = tmp_path / "run.yaml"
+    path.write_text("rounds: 2\nout:\n")
+    with pytest.raises(ConfigError, match=r"--out has no value .*remove the line to use the default"):
+        parse_args(["--config", str(path)])
+    path.write_text("rounds: 2\nalgo: fedprox\nalgo_options:\n  mu:\n")
+    with pytest.raises(ConfigError, match="mu"):
+        parse_args(["--config", str(path)])
+
+
+FEDPROX_FILE = os.path.join(REPO, "launch", "digits_fedprox.yaml")
+PMIXFED_FILE = os.path.join(REPO, "launch", "pmixfed_digits.yaml")
+
+
+def test_algo_flag_replacing_the_files_algorithm_carries_only_the_options_it_has(capsys):
+    """A file's algo_options belong to its algo: under another --algo, the options that
+    algorithm also has carry over (said, since a name can mean another thing) and the others
+    are dropped (said) instead of refusing a run no flag could fix."""
+    cfg, ao, _ = parse_args(["--config", FEDPROX_FILE, "--algo", "fedavg"])
+    assert cfg.algo == "fedavg" and cfg.algo_options == {}
+    assert "--algo fedavg replaces the file's algo fedprox; of its algo_options, mu dropped" in capsys.readouterr().err
+    cfg, ao, _ = parse_args(["--config", FEDPROX_FILE, "--algo", "pmixfed_dynamic"])
+    assert ao.mu == 0.01
+    assert "mu=0.01 carried over to pmixfed_dynamic (an option of the same name; --mu sets it)" in \
+        capsys.readouterr().err
+    cfg, ao, _ = parse_args(["--config", FEDPROX_FILE, "--algo", "pmixfed_dynamic", "--mu", "0.5"])
+    assert ao.mu == 0.5
+    cfg, ao, _ = parse_args(["--config", PMIXFED_FILE, "--algo", "fedavg"])
+    assert ao.finetune_epochs == 4  # the pMixFed table's protocol serves every method
+    # the file's own algorithm, however spelled: nothing to say
+    capsys.readouterr()
+    cfg, ao, _ = parse_args(["--config", FEDPROX_FILE, "--algo", "FedProx"])
+    assert ao.mu == 0.01 and capsys.readouterr().err == ""
