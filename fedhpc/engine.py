@@ -76,7 +76,17 @@ class Engine(Evaluation, RunLog):
         self.is_main = world.rank == 0
         load_algorithm_modules()
         algo_cls = ALGORITHMS.get(cfg.algo)
-        self.data = build_dataset(cfg, data_options)
+        # Files can be missing or damaged on one node only: agree before the first collective of
+        # the run, so that rank 0 prints that rank's error instead of every rank waiting for it.
+        failure: Optional[Exception] = None
+        try:
+            self.data = build_dataset(cfg, data_options)
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank by raise_together
+            failure = e
+        if world.size > 1 and any(world.all_gather_object(failure is not None)):
+            world.raise_together(failure, "loading the dataset")
+        if failure is not None:
+            raise failure
         if cfg.clients_per_round > self.data.num_clients:
             raise ConfigError(f"--clients-per-round {cfg.clients_per_round} exceeds the dataset's "
                               f"{self.data.num_clients} clients; lower it")

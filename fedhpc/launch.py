@@ -43,16 +43,8 @@ def _check_out_is_writable(cfg) -> None:
                           f"or choose another --out")
 
 
-def _launcher_rank() -> int:
-    """This process's rank as the launcher's environment says, before any World exists."""
-    for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    from .config import parse_args
+    from .config import launcher_rank, parse_args
 
     world = None
     graceful = True
@@ -81,13 +73,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     except RankFailure as e:
         graceful = False
-        print(f"[rank {world.rank if world else 0}] error: {e}", file=sys.stderr, flush=True)
+        print(f"[rank {world.rank if world else launcher_rank()}] error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except OutputError as e:
         # A disk that fills or a permission that changes strikes one rank at one write: the
         # others would wait for it in the next collective, so bring them down.
         graceful = False
-        print(f"[rank {world.rank if world else _launcher_rank()}] error: {e}", file=sys.stderr, flush=True)
+        print(f"[rank {world.rank if world else launcher_rank()}] error: {e}", file=sys.stderr, flush=True)
         if world is not None:
             world.abort(e.exit_code)
         return e.exit_code
@@ -95,19 +87,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Errors from configuration, data and checkpoints are the same on every rank and
         # NaN losses are agreed on collectively: rank 0 speaks for all (before the World
         # exists, as the launcher numbered the processes).
-        if (world.rank if world is not None else _launcher_rank()) == 0:
+        if (world.rank if world is not None else launcher_rank()) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         graceful = False
-        if (world.rank if world is not None else _launcher_rank()) == 0:
+        if (world.rank if world is not None else launcher_rank()) == 0:
             kept = (f"; the last checkpoint in {cfg.out}/checkpoints is intact: continue with the same "
                     f"command plus --resume" if cfg is not None and cfg.out else "")
             print(f"interrupted{kept}", file=sys.stderr, flush=True)
         return 130
     except Exception:
         graceful = False
-        rank = world.rank if world is not None else 0
+        rank = world.rank if world is not None else launcher_rank()
         print(f"[rank {rank}] unexpected failure:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         if world is not None:
             world.abort(1)  # bring the other ranks down instead of leaving them in a collective

@@ -1,6 +1,9 @@
 """Errors raised on one rank only, run under ``mpiexec -n 2`` by tests/test_rank_failures.py.
 
 Usage:
+  python tests/failure_probe.py dataset OUT [launcher flags...]
+      python -m fedhpc.launch on a digits whose files are missing on rank 1's node alone (a
+      DataError while the dataset loads, before any collective of the run).
   python tests/failure_probe.py client OUT [launcher flags...]
       python -m fedhpc.launch with a FedAvg whose client training fails on rank 1 alone in
       round 2 (a DataError naming the client), as a corrupt shard of one client would.
@@ -25,6 +28,8 @@ import torch.distributed as dist
 
 from fedhpc.algorithms import register_algorithm
 from fedhpc.algorithms.fedavg import FedAvg
+from fedhpc.data import register_dataset
+from fedhpc.data.digits import DigitsOptions, build_digits
 from fedhpc.errors import ConfigError, DataError, FedHPCError
 
 
@@ -61,6 +66,13 @@ class ReferenceModelFails(FedAvg):
 
     def client_model(self, cid):
         raise DataError(f"client {cid}'s model file is unreadable; rerun with --resume")
+
+
+@register_dataset("digits_missing_on_rank_1", DigitsOptions, "digits, whose files rank 1 cannot find")
+def digits_missing_on_rank_1(cfg, options=None):
+    if on_rank_1():
+        raise DataError("/scratch/node2/digits.npz is missing; copy the dataset to every node")
+    return build_digits(cfg, options)
 
 
 class ShardMissing(FedHPCError):
@@ -119,5 +131,7 @@ if __name__ == "__main__":
             "reference": "reference_model_fails"}.get(sys.argv[1])
     if algo is not None:
         exit_now(main(["--algo", algo, "--out", sys.argv[2], *sys.argv[3:]]))
+    if sys.argv[1] == "dataset":
+        exit_now(main(["--dataset", "digits_missing_on_rank_1", "--out", sys.argv[2], *sys.argv[3:]]))
     server(sys.argv[2], sys.argv[3])
     exit_now(0)

@@ -36,6 +36,16 @@ def launcher_error(mode, out, *flags):
     return errors[0]
 
 
+def test_a_dataset_missing_on_one_node_is_reported_by_rank_0_at_once(tmp_path):
+    """Rank 1 fails while loading the data, before the run's first collective; rank 0 must say
+    why at once, not wait in that collective until --collective-timeout (60 s here)."""
+    import time
+    t0 = time.time()
+    error = launcher_error("dataset", str(tmp_path / "run"))
+    assert "digits.npz is missing; copy the dataset to every node [raised on rank 1, loading the dataset]" in error
+    assert time.time() - t0 < 50
+
+
 def test_a_client_failing_on_one_rank_is_reported_by_rank_0_and_stops_both(tmp_path):
     out = str(tmp_path / "run")
     error = launcher_error("client", out)
