@@ -282,3 +282,63 @@ def test_the_report_lists_a_damaged_run_with_its_problem_instead_of_crashing(tmp
     (entry,) = json.loads((tmp_path / "report" / "summary.json").read_text())["excluded"]
     assert entry["path"] == run_dir and entry["status"] == "damaged" and "has round 'x'" in entry["problem"]
     assert "damaged (the last record of" in (tmp_path / "report" / "report.md").read_text()
+
+
+def _id_hash_before_algorithm_identity(settings):
+    """run_hash as it was before it read the algorithm's identity_settings: sweeps on disk hold these ids."""
+    import hashlib
+    from fedhpc.config import RunConfig
+    ident = {k: settings[k] for k in RunConfig.IDENTITY if k in settings}
+    blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:8]
+
+
+def test_run_ids_hold_the_settings_of_the_algorithms_checkpoint_identity(tmp_path):
+    """pMixFed's schedule reads the total rounds (identity_settings = ("rounds",)), so its checkpoints
+    cannot be resumed with another ``rounds``: its id changes with them. Every other algorithm's id
+    ignores rounds and is the id earlier versions wrote, so sweeps already on disk keep resuming."""
+    from fedhpc.config import RunConfig
+
+    def point(algo, rounds, name):
+        base = {"model": "mlp", **({} if rounds is None else {"rounds": rounds})}
+        (p,) = expand(load_grid(write_grid(tmp_path, {"base": base, "axes": {"algo": [algo], "seed": [0]}}, name)))
+        return p
+
+    pm2, pm3 = point("pmixfed", 2, "a.yaml"), point("pmixfed", 3, "b.yaml")
+    assert pm2.label == pm3.label and pm2.id != pm3.id
+    # rounds left out is RunConfig's default, as the launcher would run it
+    assert point("pmixfed", None, "c.yaml").id == point("pmixfed", RunConfig.rounds, "d.yaml").id
+    # the algorithm is looked up by its registered name, whatever the spelling
+    assert run_hash({"algo": "PMixFed", "rounds": 2}) != run_hash({"algo": "PMixFed", "rounds": 3})
+    for algo in ("fedavg", "fl", "pmixfed_dynamic"):  # no identity_settings: ids as before, whatever the rounds
+        ids = {point(algo, r, f"{algo}{r}.yaml").id for r in (2, 50, None)}
+        (only,) = ids
+        settings = point(algo, 2, "x.yaml").settings
+        assert only == f"algo-{algo}_seed-0-{_id_hash_before_algorithm_identity(settings)}"
+    # a name no registry knows is refused by validation later; the id itself is still made
+    assert run_hash({"algo": 5, "seed": 1}) == _id_hash_before_algorithm_identity({"algo": 5, "seed": 1})
+    assert run_hash({"algo": "nope"}) == _id_hash_before_algorithm_identity({"algo": "nope"})
+
+
+def test_more_rounds_for_a_pmixfed_sweep_start_a_new_run_instead_of_failing_to_resume(tmp_path, capsys):
+    """The audit's repro: a pmixfed point ran with rounds 2; with rounds 3 the same id resumed its
+    checkpoint, which the engine refuses (rounds: checkpoint 2 vs now 3), and every re-run failed again."""
+    from fedhpc.launch import main as launch_main
+    torch.set_num_threads(1)
+    base = {**TINY, "algo": "pmixfed"}
+    path2 = write_grid(tmp_path, {"base": {**base, "rounds": 2}, "axes": {"seed": [0]}}, "r2.yaml")
+    (p2,) = expand(load_grid(path2))
+    f2 = tmp_path / "p2.yaml"
+    f2.write_text(point_yaml(load_grid(path2), p2))
+    _run_in_process(str(f2), str(tmp_path / "sweep" / "runs" / p2.id))
+    path3 = write_grid(tmp_path, {"base": {**base, "rounds": 3}, "axes": {"seed": [0]}}, "r3.yaml")
+    (p3,) = expand(load_grid(path3))
+    capsys.readouterr()
+    assert sweep_main([path3, "--local", "--dry-run"]) == 0
+    assert f"{p3.id}: not started -> run" in capsys.readouterr().out
+    f3 = tmp_path / "p3.yaml"
+    f3.write_text(point_yaml(load_grid(path3), p3))
+    run3 = tmp_path / "sweep" / "runs" / p3.id
+    assert launch_main(["--config", str(f3), "--out", str(run3), "--resume"]) == 0
+    assert run_state(str(run3), 3).status == "finished"
+    assert run_state(str(tmp_path / "sweep" / "runs" / p2.id), 2).status == "finished"  # the old run is left as it was

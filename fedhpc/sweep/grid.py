@@ -23,10 +23,15 @@ fields (``algo_options``...) are merged key by key, not replaced.
 
 Run ids: ``<label>-<hash>``, the label naming the point's axis values in that same order
 (``algo-fedmix_seed-1``) and the hash the first 8 hex digits of SHA-1 over the point's
-*identity* settings as written (RunConfig.IDENTITY: what a checkpoint must agree on). So an
-id does not depend on the point's position, on other points, or on settings that may change
-between a run and its resumption (rounds, eval cadence, threads): raise ``rounds`` in a
-finished sweep and the re-run resumes every point instead of starting over.
+*identity* settings as written (RunConfig.IDENTITY), plus the settings the point's algorithm
+names in ``identity_settings`` (pMixFed's schedule reads ``rounds``), taken as written or else
+the RunConfig default: together what a checkpoint must agree on (the engine's ``_identity``).
+So an id does not depend on the point's position, on other points, or on settings that may
+change between a run and its resumption (rounds, eval cadence, threads): raise ``rounds`` in a
+finished sweep and the re-run resumes every point instead of starting over, except points of
+an algorithm whose identity holds ``rounds`` (pmixfed), which get new ids and start afresh, as
+their checkpoints could not be resumed. The algorithm's settings enter the hash only when it
+has any, so the ids of every other point are those earlier versions gave.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple, get_type_hints
 
 import yaml
@@ -209,9 +214,34 @@ def _label(axes: Dict[str, Any]) -> str:
     return "_".join(p for p in parts if p)[:80] or "run"
 
 
+def _default(name: str) -> Any:
+    """RunConfig's default for the setting ``name`` (what the launcher uses when a point omits it)."""
+    for f in fields(RunConfig):
+        if f.name == name:
+            return f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+    return None
+
+
+def _algorithm_identity_settings(algo: Any) -> Tuple[str, ...]:
+    """``identity_settings`` of the algorithm named ``algo``; () for one the registry does not know
+    (validation refuses that point, naming it, after the ids are made)."""
+    from ..algorithms import ALGORITHMS, load_algorithm_modules
+
+    load_algorithm_modules()
+    try:
+        return tuple(ALGORITHMS.get(ALGORITHMS.canonical(algo)).identity_settings)
+    except ConfigError:
+        return ()
+
+
 def run_hash(settings: Dict[str, Any]) -> str:
-    """8 hex digits of SHA-1 over the identity settings as written (canonical JSON)."""
+    """8 hex digits of SHA-1 over the identity settings as written (canonical JSON): RunConfig.IDENTITY
+    and the point's algorithm's ``identity_settings`` (the latter only when it has any, so that the
+    ids of other algorithms' points stay those of sweeps already on disk)."""
     ident = {k: settings[k] for k in RunConfig.IDENTITY if k in settings}
+    for k in _algorithm_identity_settings(settings.get("algo", RunConfig.algo)):
+        if k not in RunConfig.IDENTITY:  # those are hashed as written already
+            ident[k] = settings[k] if k in settings else _default(k)
     blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:8]
 
