@@ -194,3 +194,94 @@ def test_sweep_gpu_array_layout(tmp_path, capsys):
     assert "\nmodule load cuda\n" in out
     assert sweep_main([str(grid), "--dry-run", "--ranks", "6"]) == 2
     assert "must equal ranks (6)" in capsys.readouterr().err
+
+
+def _sbatch_words(line):
+    """The words of an #SBATCH line as sbatch reads them (src/sbatch/opt.c, _get_argument): blanks split
+    outside quotes, a backslash escapes the next character, an unquoted '#' ends the line."""
+    words, word, quote, escape, started = [], "", None, False, False
+    for c in line[len("#SBATCH"):]:
+        if escape:
+            word, escape, started = word + c, False, True
+        elif c == "\\":
+            escape = True
+        elif quote:
+            if c == quote:
+                quote = None
+            else:
+                word += c
+        elif c in "\"'":
+            quote, started = c, True
+        elif c == "#":
+            break
+        elif c.isspace():
+            if started or word:
+                words.append(word)
+            word, started = "", False
+        else:
+            word, started = word + c, True
+    assert quote is None, f"unmatched quote in {line!r}"
+    return words + ([word] if started or word else [])
+
+
+def _batch_output_name(pattern, job_name, array_job, task):
+    """--output as slurmstepd names a batch job's file (src/slurmd/slurmstepd/fname.c): a backslash turns
+    every pattern off, '%%' is '%', %x %A %a the job name, array job id and task id."""
+    if "\\" in pattern:
+        return pattern.replace("\\", "")
+    subst = {"%": "%", "x": job_name, "A": array_job, "a": task}
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern[i] == "%" and i + 1 < len(pattern) and pattern[i + 1] in subst:
+            out, i = out + subst[pattern[i + 1]], i + 2
+        else:
+            out, i = out + pattern[i], i + 1
+    return out
+
+
+def test_array_script_names_a_sweep_folder_with_blanks_quotes_hash_and_percent(tmp_path, capsys):
+    """sbatch splits #SBATCH lines on unquoted blanks and cuts them at '#', and SLURM reads --output as a
+    pattern ('%' is written '%%'): the logs of a sweep in such a folder went elsewhere."""
+    sweep = tmp_path / 'my "runs" #2 at 50% of %a' / "exp 1"
+    grid = tmp_path / "g.yaml"
+    grid.write_text(yaml.safe_dump({"out": str(sweep), "base": {"rounds": 2}, "axes": {"seed": [0, 1]},
+                                    "slurm": {"job_name": "my job", "partition": "debug"}}))
+    assert sweep_main([str(grid), "--dry-run"]) == 0
+    script = capsys.readouterr().out.split("sbatch --parsable:\n", 1)[1]
+    words = dict((w.split("=", 1) + [""])[:2] for l in _sbatch_lines(script) for w in _sbatch_words(l))
+    assert len(words) == len(_sbatch_lines(script))  # one option per line, none split or cut
+    assert words["--job-name"] == "my job" and words["--partition"] == "debug"
+    assert _batch_output_name(words["--output"], "my job", "70", "1") == f"{sweep}/logs/my job-70_1.out"
+    # the shell lines of the body name the same folder
+    shell = [l for l in script.splitlines() if l.startswith(("SWEEP=", "cd "))]
+    p = subprocess.run(["bash", "-c", "\n".join(shell) + '\nprintf "%s\\n" "$SWEEP" "$PWD"'],
+                       capture_output=True, text=True)
+    assert p.stdout.splitlines() == [str(sweep), os.getcwd()], p.stderr
+    # a backslash turns SLURM's patterns off (and is dropped): refused, naming the folder
+    grid.write_text(yaml.safe_dump({"out": str(tmp_path / "a\\b"), "base": {"rounds": 2}, "axes": {"seed": [0]}}))
+    assert sweep_main([str(grid), "--dry-run"]) == 2
+    assert "cannot write in its --output path" in capsys.readouterr().err
+
+
+def test_resubmitting_a_sweep_in_a_bracketed_folder_keeps_the_earlier_scripts(tmp_path, monkeypatch, capsys):
+    """The next array-<k> was counted with a glob over the sweep folder, which read exp[1] as a pattern
+    (matching exp1): k was 1 again, and a re-submission overwrote array-1.sbatch and array-1.json."""
+    sweep = tmp_path / "exp[1]"
+    grid = tmp_path / "g.yaml"
+    grid.write_text(yaml.safe_dump({"out": str(sweep), "base": {"rounds": 2}, "axes": {"seed": [0]}}))
+    monkeypatch.setenv("PATH", _fake_bin(tmp_path))
+    monkeypatch.setenv("FAKE_SLURM_DIR", str(tmp_path))
+    slurm_dir = sweep / "slurm"
+    assert sweep_main([str(grid)]) == 0
+    first = {f: (slurm_dir / f).read_text() for f in ("array-1.sbatch", "array-1.json")}
+    time.sleep(0.01)  # array-1.json records when it was submitted
+    assert sweep_main([str(grid)]) == 0
+    assert {f: (slurm_dir / f).read_text() for f in first} == first
+    assert (slurm_dir / "array-2.sbatch").exists() and (slurm_dir / "array-2.json").exists()
+    # with array-1.sbatch deleted by hand, the next one is still array-3, not array-2 again
+    (slurm_dir / "array-1.sbatch").unlink()
+    assert sweep_main([str(grid)]) == 0
+    assert sorted(os.listdir(slurm_dir)) == ["array-1.json", "array-2.json", "array-2.sbatch", "array-3.json",
+                                             "array-3.sbatch"]
+    assert [l.split()[-1] for l in (tmp_path / "sbatch.log").read_text().splitlines()] == [
+        str(slurm_dir / f"array-{k}.sbatch") for k in (1, 2, 3)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shlex
 import sys
 import time
@@ -59,6 +60,16 @@ def write_sweep(grid: Grid, planned, sweep_dir: str) -> None:
         "points": [{"index": p.index, "id": p.id, "label": p.label, "axes": p.axes, "rounds": p.rounds}
                    for p, _ in planned],
     })
+
+
+def _next_array_number(sweep_dir: str) -> int:
+    """k of the next ``slurm/array-<k>.sbatch``: one past the highest written (script or its job record),
+    so an earlier submission's files are never overwritten, even where one was deleted."""
+    # escape: a sweep folder such as exp[1] must be matched as written, not read as a pattern
+    found = glob.glob(os.path.join(glob.escape(os.path.join(sweep_dir, "slurm")), "array-*.*"))
+    numbers = [int(m.group(1)) for m in (re.fullmatch(r"array-(\d+)\.(?:sbatch|json)", os.path.basename(f))
+                                         for f in found) if m]
+    return max(numbers, default=0) + 1
 
 
 def _summary(planned) -> str:
@@ -106,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             write_sweep(grid, planned, sweep_dir)
             return run_points(todo, grid.ranks, sweep_dir)
 
-        k = len(glob.glob(os.path.join(sweep_dir, "slurm", "array-*.sbatch"))) + 1
+        k = _next_array_number(sweep_dir)
         script_path = os.path.join(sweep_dir, "slurm", f"array-{k}.sbatch")
         script = render_array_script(grid.name, [p.id for p, _ in todo], grid.ranks, opts, sweep_dir, os.getcwd())
         if args.dry_run:

@@ -9,6 +9,7 @@ threads from SLURM_CPUS_PER_TASK, USR1 -> checkpoint -> requeue, --resume on eve
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -72,6 +73,30 @@ def slurm_options(values: dict) -> SlurmOptions:
     return build_options(SlurmOptions, dict(values), "the grid's slurm section")
 
 
+# Values written bare on an #SBATCH line; anything else is double-quoted by _sbatch_word.
+_SBATCH_BARE = re.compile(r"[A-Za-z0-9_./:=+,@%-]+")
+
+
+def _sbatch_word(value: str) -> str:
+    """``value`` as one word of an ``#SBATCH`` line. sbatch splits those lines on unquoted blanks and
+    ends them at an unquoted ``#``; inside double quotes a backslash escapes the next character."""
+    value = str(value)
+    if "\n" in value or "\r" in value:
+        raise ConfigError(f"{value!r} cannot go on an #SBATCH line, which ends at a line break; remove the break")
+    if _SBATCH_BARE.fullmatch(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _check_sweep_dir(sweep_dir: str) -> None:
+    """Refuse a sweep folder the array script cannot name: an #SBATCH line ends at a line break, and
+    SLURM drops every backslash of an --output path (and then expands none of its %x-%A_%a)."""
+    bad = [c for c in ("\\", "\n", "\r") if c in sweep_dir]
+    if bad:
+        raise ConfigError(f"sweep folder {sweep_dir!r} holds {' and '.join(repr(c) for c in bad)}, which an "
+                          f"sbatch script cannot write in its --output path; choose another out: (or --out)")
+
+
 def render_array_script(name: str, ids: List[str], ranks: int, opts: SlurmOptions, sweep_dir: str,
                         workdir: str) -> str:
     """An sbatch script running point ``ids[SLURM_ARRAY_TASK_ID]`` of the sweep in ``sweep_dir``."""
@@ -80,13 +105,14 @@ def render_array_script(name: str, ids: List[str], ranks: int, opts: SlurmOption
     if not os.path.exists(STEP_SCRIPT):
         raise ConfigError(f"{STEP_SCRIPT} is missing; run the sweep from a fedhpc source checkout")
     sweep_dir, workdir = os.path.abspath(sweep_dir), os.path.abspath(workdir)
+    _check_sweep_dir(sweep_dir)
     per_node = opts.tasks_per_node(ranks)
     array = f"0-{len(ids) - 1}" + (f"%{opts.max_parallel}" if opts.max_parallel else "")
     lines = [
         "#!/bin/bash",
         f"# Sweep {name}: {len(ids)} point(s), one array task each; written by python -m fedhpc.sweep.",
         f"# Point settings: {sweep_dir}/points/<id>.yaml; run folders: {sweep_dir}/runs/<id>/.",
-        f"#SBATCH --job-name={opts.job_name or 'fedhpc-' + name}",
+        f"#SBATCH --job-name={_sbatch_word(opts.job_name or 'fedhpc-' + name)}",
         f"#SBATCH --array={array}",
         f"#SBATCH --nodes={opts.nodes}",
         f"#SBATCH --ntasks-per-node={per_node}",
@@ -94,14 +120,16 @@ def render_array_script(name: str, ids: List[str], ranks: int, opts: SlurmOption
     ]
     if opts.gpus_per_task:
         lines.append(f"#SBATCH --gpus-per-task={opts.gpus_per_task}")
-    lines.append(f"#SBATCH --time={opts.time}")
+    lines.append(f"#SBATCH --time={_sbatch_word(opts.time)}")
     for key in ("partition", "account", "qos", "mem_per_cpu"):
         if getattr(opts, key):
-            lines.append(f"#SBATCH --{key.replace('_', '-')}={getattr(opts, key)}")
+            lines.append(f"#SBATCH --{key.replace('_', '-')}={_sbatch_word(getattr(opts, key))}")
+    # SLURM reads --output as a filename pattern: a '%' of the folder itself is written '%%'.
+    log_pattern = sweep_dir.replace("%", "%%") + "/logs/%x-%A_%a.out"
     lines += [
         f"#SBATCH --signal=B:USR1@{opts.signal_seconds}",
         "#SBATCH --requeue",
-        f"#SBATCH --output={sweep_dir}/logs/%x-%A_%a.out",
+        f"#SBATCH --output={_sbatch_word(log_pattern)}",
     ]
     lines += [f"#SBATCH {e}" for e in opts.extra]
     lines += ["", "set -uo pipefail", f"cd {shlex.quote(workdir)}", *opts.setup,
