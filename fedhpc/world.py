@@ -114,6 +114,171 @@ def choose_backend(use_cuda: bool, ranks_on_node: int, gpus_on_node: int, reques
     return "nccl", ""
 
 
+# ------------------------------------------------------------- the node layout under srun
+# Pure functions of the environment (and of what this process sees), so that each rule can be
+# tested without SLURM; World reads os.environ through them.
+
+def expand_tasks_per_node(spec: str, var: str = "SLURM_STEP_TASKS_PER_NODE") -> List[int]:
+    """SLURM's compressed count list, one entry per node: ``2(x3),1`` -> [2, 2, 2, 1].
+
+    Each comma-separated item is ``N`` or ``N(xM)`` (M nodes with N tasks). Anything else is a
+    ConfigError naming the variable: a wrong count would otherwise surface as oversubscribed
+    cores or a wrong backend, far from its cause.
+    """
+    counts: List[int] = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", item)
+        if not m or int(m.group(1)) < 1 or (m.group(2) is not None and int(m.group(2)) < 1):
+            raise ConfigError(f"{var}={spec!r}: {item!r} is not a task count N or N(xM) "
+                              f"(SLURM writes e.g. 2(x3),1)")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def slurm_tasks_per_node(env) -> tuple:
+    """(tasks on this node, tasks on the busiest node of the step), from srun's variables.
+
+    SLURM_STEP_TASKS_PER_NODE (SLURM_TASKS_PER_NODE outside a step) lists every node's count
+    in the compressed form; SLURM_NODEID (this node's index in the step) picks this node's.
+    Without SLURM_NODEID the first node's count stands for every node, as before.
+    """
+    var = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in env else "SLURM_TASKS_PER_NODE"
+    counts = expand_tasks_per_node(env.get(var, "1"), var)
+    node = env.get("SLURM_NODEID")
+    if node is None:
+        return counts[0], max(counts)
+    if not node.strip().isdigit() or int(node) >= len(counts):
+        raise ConfigError(f"SLURM_NODEID={node!r} does not index the {len(counts)} node(s) of "
+                          f"{var}={env.get(var)!r}")
+    return counts[int(node)], max(counts)
+
+
+# Binding types under which srun gives each task CPUs of its own (task/affinity turns cores and
+# threads, and its automatic binding, into one mask_cpu entry per task); sockets, ldoms and
+# boards hand several tasks the same domain.
+_PER_TASK_BINDS = {"cores", "threads", "mask_cpu", "map_cpu", "rank"}
+_SHARED_BINDS = {"sockets", "ldoms", "boards", "rank_ldom", "map_ldom", "mask_ldom"}
+
+
+def _cpu_masks(listed: str) -> Optional[List[int]]:
+    """SLURM_CPU_BIND_LIST's hexadecimal masks (``0x3,0xC``, ``F*2``), or None if unreadable."""
+    masks: List[int] = []
+    try:
+        for item in listed.split(","):
+            mask, _, repeat = item.strip().partition("*")
+            masks += [int(mask, 16)] * (int(repeat) if repeat else 1)
+    except ValueError:
+        return None
+    return masks or None
+
+
+def ranks_sharing_cores(env, launcher: str, local_rank: int, local_size: int) -> tuple:
+    """(ranks, bound): how many of this node's ranks divide this process's affinity mask.
+
+    Not bound (``bound`` False): the mask is the whole step's (or node's), shared by all
+    ``local_size`` ranks. Bound: srun gave this task its own CPUs (``--cpu-bind=cores`` in
+    slurm/step.sh, or task/affinity's automatic binding), so sched_getaffinity already shows
+    this rank's share and is not divided again; ``ranks`` is 1, or the number of this node's
+    tasks whose masks in SLURM_CPU_BIND_LIST overlap this task's where that list says so.
+
+    srun bound the task when SLURM_CPU_BIND_TYPE (else the type part of SLURM_CPU_BIND) names
+    a per-task binding and not "none". Only srun's own tasks are read so: under torchrun or
+    mpiexec started inside an srun task, the ranks inherit that one task's variables and mask
+    and share it. A mask smaller than the node is no signal: a job's cgroup also shrinks the
+    mask of an unbound step.
+    """
+    if launcher != "srun":
+        return local_size, False
+    bind = env.get("SLURM_CPU_BIND", "")
+    kind = env.get("SLURM_CPU_BIND_TYPE")
+    if kind is None:
+        kind = bind.split(":", 1)[0]        # "quiet,cores,mask_cpu:0x3,0xC" -> its type part
+    types = {t.strip() for t in kind.split(":", 1)[0].split(",")} - {"", "quiet", "verbose"}
+    if not types or "none" in types or not (types & _PER_TASK_BINDS):
+        return local_size, False
+    masks = None
+    if "mask_cpu" in types:
+        listed = env.get("SLURM_CPU_BIND_LIST") or (bind.split(":", 1)[1] if ":" in bind else "")
+        masks = _cpu_masks(listed) if listed else None
+    if masks is None:
+        # no list to compare: a per-task type alone is trusted, a socket/ldom binding is not
+        return (local_size, False) if types & _SHARED_BINDS else (1, True)
+    mine = masks[local_rank % len(masks)]
+    if not mine:
+        return local_size, False
+    return sum(1 for t in range(local_size) if masks[t % len(masks)] & mine), True
+
+
+def threads_per_rank(requested: int, cores: int, ranks: int, bound: bool = False) -> tuple:
+    """(threads, note): ``requested`` or, at 0 (auto), this process's cores / ranks sharing them.
+
+    ``note`` (said once, by rank 0) is set when the threads oversubscribe those cores.
+    """
+    cores = cores or 1
+    auto = max(1, cores // max(1, ranks))
+    threads = requested or auto
+    note = ""
+    if threads * ranks > cores:
+        if bound:
+            shared = f" shared by {ranks} rank(s)" if ranks > 1 else ""
+            note = (f"{threads} thread(s) per rank exceed the {cores} core(s) srun bound this rank to{shared}: "
+                    f"rounds run slower than with fewer; drop --threads (then the rank's bound cores) "
+                    f"or set it to {auto}")
+        else:
+            note = (f"{threads} thread(s) per rank x {ranks} rank(s) on this node exceed its {cores} core(s): "
+                    f"rounds run slower than with fewer; drop --threads (then cores / ranks on the node) "
+                    f"or set it to {auto}")
+    return threads, note
+
+
+def _gpu_count(value: Optional[str]) -> Optional[int]:
+    """SLURM_GPUS_ON_NODE (``4``) or SLURM_GPUS_PER_TASK (``1``, ``a100:1``, ``a100:1,v100:1``)
+    as a count; None where absent, zero or unreadable."""
+    if not value:
+        return None
+    total = 0
+    for item in value.split(","):
+        count = item.rsplit(":", 1)[-1].strip()
+        if not count.isdigit():
+            return None
+        total += int(count)
+    return total or None
+
+
+def gpu_layout(env, launcher: str, local_size: int, busiest: int, visible: int) -> tuple:
+    """(ranks, gpus) for :func:`choose_backend`: shared GPUs when ranks > gpus.
+
+    ``visible`` is torch.cuda.device_count() in this process. The rule:
+
+    * srun, and this task's view is private: the step holds G GPUs on this node
+      (SLURM_GPUS_ON_NODE, which SLURM sets to the step's count on the node, not the task's;
+      else SLURM_GPUS_PER_TASK x tasks on the node) and ``visible`` x local_size <= G, so
+      every task can have ``visible`` GPUs of its own, as --gpus-per-task's implied
+      --gpu-bind=per_task gives them. Each rank then uses cuda:(local_rank % visible) of its
+      own set (cuda:0 with one GPU per task): (local_size, G), never shared.
+    * otherwise the ranks share what this task sees, as before: every task sees the same
+      ``visible`` GPUs and rank i uses cuda:(i % visible). (busiest, visible), with
+      ``busiest`` the step's largest tasks-per-node, so that every node decides the same way
+      when the nodes hold the same GPUs: a node with fewer tasks must not pick NCCL while a
+      fuller one picks gloo (init_process_group would hang).
+
+    CUDA_VISIBLE_DEVICES alone cannot tell the cases apart (a GPU shared by four tasks shows
+    as ``0`` in each, as does a private one under device cgroups), nor can SLURM_STEP_GPUS (in
+    a bound task it lists the task's own GPUs) or SLURM_JOB_GPUS (the job may hold more GPUs
+    than this step). Unreadable SLURM GPU variables count as absent. Other launchers keep
+    (local_size, visible): their local ranks are not SLURM's tasks.
+    """
+    if launcher == "srun" and visible > 0:
+        on_node = _gpu_count(env.get("SLURM_GPUS_ON_NODE"))
+        per_task = _gpu_count(env.get("SLURM_GPUS_PER_TASK"))
+        if on_node is None and per_task is not None:
+            on_node = per_task * local_size
+        if on_node is not None and visible * local_size <= on_node:
+            return local_size, on_node
+        return busiest, visible
+    return local_size, visible
+
+
 class World:
     """This process's place among the ranks, and the collectives the engine uses."""
 
@@ -122,6 +287,7 @@ class World:
         self.launcher, self.rank, self.size, self.local_rank, self.local_size = "single", 0, 1, 0, 1
         self._mpi_comm = None
         init_method = None
+        busiest = None  # tasks on the step's fullest node, where srun says
         env = os.environ
         if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
             self.launcher = "torchrun"
@@ -149,24 +315,24 @@ class World:
             self.launcher = "srun"
             self.rank, self.size = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
             self.local_rank = int(env.get("SLURM_LOCALID", 0))
-            per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
-            self.local_size = int(re.match(r"\d+", per_node).group())
+            self.local_size, busiest = slurm_tasks_per_node(env)
             nodelist = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "localhost"))
             addr = env.get("MASTER_ADDR") or first_host(nodelist)
             port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
             init_method = f"tcp://{addr}:{port}"
 
         # Threads per rank: MPI launchers drop torch to 1 thread, and several ranks on a node
-        # must not oversubscribe it, so always set the count explicitly.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self.threads = threads or max(1, (cores or 1) // max(1, self.local_size))
-        torch.set_num_threads(self.threads)
+        # must not oversubscribe it, so always set the count explicitly: this process's cores
+        # divided among the ranks that share them (all of the node's, unless srun bound each
+        # task to its own cores: ranks_sharing_cores).
+        if hasattr(os, "sched_getaffinity"):
+            cores = len(os.sched_getaffinity(0))
+            sharing, bound = ranks_sharing_cores(env, self.launcher, self.local_rank, self.local_size)
+        else:
+            cores, sharing, bound = os.cpu_count(), self.local_size, False
         #: said once by rank 0: more threads than cores makes every rank wait for the others'
-        self.thread_note = ""
-        if self.threads * self.local_size > (cores or 1):
-            self.thread_note = (f"{self.threads} thread(s) per rank x {self.local_size} rank(s) on this node "
-                                f"exceed its {cores} core(s): rounds run slower than with fewer; drop --threads "
-                                f"(then cores / ranks on the node) or set it to {max(1, (cores or 1) // self.local_size)}")
+        self.threads, self.thread_note = threads_per_rank(threads, cores, sharing, bound)
+        torch.set_num_threads(self.threads)
 
         use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
         if use_cuda:
@@ -177,8 +343,9 @@ class World:
             gpu_numerics(deterministic)
         else:
             self.device = torch.device("cpu")
-        self.backend, self.backend_note = choose_backend(
-            use_cuda, self.local_size, torch.cuda.device_count() if use_cuda else 0, backend)
+        ranks, gpus = gpu_layout(env, self.launcher, self.local_size, busiest or self.local_size,
+                                 torch.cuda.device_count() if use_cuda else 0)
+        self.backend, self.backend_note = choose_backend(use_cuda, ranks, gpus, backend)
         # gloo carries CPU tensors only as far as this code relies on: GPU tensors on a gloo run
         # go through a host copy in each collective (see _on_host)
         self._stage_on_host = use_cuda and self.backend == "gloo"
