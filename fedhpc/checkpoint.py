@@ -187,12 +187,11 @@ def _canonical(identity: Dict[str, Any]) -> Dict[str, Any]:
       method's to guard in its checkpointed state (pMixFed's ``first_layer_index``).
     """
     import dataclasses
-    import inspect
 
     from .algorithms import ALGORITHMS, load_algorithm_modules
     from .config import build_options
     from .data import DATASETS, load_dataset_modules
-    from .models import MODELS, load_model_modules
+    from .models import MODELS, load_model_modules, model_option_params
     from .server.channel import ChannelOptions
 
     load_algorithm_modules(); load_dataset_modules(); load_model_modules()
@@ -218,13 +217,12 @@ def _canonical(identity: Dict[str, Any]) -> Dict[str, Any]:
         resolved("data_options", from_dataclass(DATASETS.get(out["dataset"]).options))
     resolved("channel_options", from_dataclass(ChannelOptions))
     if out.get("model") in MODELS:
-        params = inspect.signature(MODELS.get(out["model"])).parameters
+        params = model_option_params(out["model"])
 
         def model_options(values):
             if set(values) - set(params):
                 raise KeyError("unknown model option")
-            return {**{k: p.default for k, p in params.items() if k not in ("input_shape", "num_classes")},
-                    **values}
+            return {**{k: p.default for k, p in params.items()}, **values}
         resolved("model_options", model_options)
     return out
 

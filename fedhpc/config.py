@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import inspect
 import json
 import math
 import os
@@ -335,18 +334,20 @@ def load_yaml(path: str, what: str = "config file") -> Dict[str, Any]:
     return data
 
 
+def option_names(cls: Optional[Type]) -> set:
+    """The option names of an options dataclass (none for a method or dataset without options)."""
+    return {f.name for f in fields(cls)} if cls is not None else set()
+
+
 def _unknown_settings(path: str, unknown: List[Any], file_values: Dict[str, Any], algo_name: Any,
                       data_name: Any, model_name: Any) -> str:
     """The message for top-level keys that are not settings: where an option belongs, or the near key."""
     from .algorithms import ALGORITHMS
     from .data import DATASETS
-    from .models import MODELS, load_model_modules
+    from .models import MODELS, load_model_modules, model_option_params
 
     load_model_modules()
     valid = sorted(f.name for f in fields(RunConfig))
-
-    def option_names(cls) -> set:
-        return {f.name for f in fields(cls)} if cls is not None else set()
 
     # The option mappings this file's algorithm, dataset and model read, where a stray key may belong.
     homes = []
@@ -357,9 +358,8 @@ def _unknown_settings(path: str, unknown: List[Any], file_values: Dict[str, Any]
         homes.append(("data_options", f"dataset {DATASETS.canonical(data_name)!r}",
                       option_names(DATASETS.get(data_name).options)))
     if model_name in MODELS:
-        params = inspect.signature(MODELS.get(model_name)).parameters
         homes.append(("model_options", f"model {MODELS.canonical(model_name)!r}",
-                      set(params) - {"input_shape", "num_classes"}))
+                      set(model_option_params(model_name))))
     notes, list_valid = [], False
     for k in unknown:
         home = next(((m, who) for m, who, names in homes if k in names), None)
@@ -406,7 +406,7 @@ def _options_for_replaced_algorithm(file_values: Dict[str, Any], flag_algo: Opti
     if (not flag_algo or not isinstance(file_algo, str) or file_algo not in ALGORITHMS or not isinstance(opts, dict)
             or not opts or ALGORITHMS.canonical(file_algo) == ALGORITHMS.canonical(flag_algo)):
         return file_values
-    names = {f.name for f in fields(algo_cls.Options)} if algo_cls.Options is not None else set()
+    names = option_names(algo_cls.Options)
     kept = {k: v for k, v in opts.items() if k in names}
     dropped = sorted(str(k) for k in opts if k not in names)
     new_name, old_name = ALGORITHMS.canonical(flag_algo), ALGORITHMS.canonical(file_algo)

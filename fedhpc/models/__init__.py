@@ -79,9 +79,8 @@ def check_model_options(name: str, options: Dict[str, Any]) -> None:
     list of that many values of its elements' type. Model-specific rules (``norm`` none or
     batch, ``dropout`` below 1, input sizes) stay with the model, which knows them.
     """
-    load_model_modules()
+    params = model_option_params(name)
     builder = MODELS.get(name)
-    params = {k: p for k, p in inspect.signature(builder).parameters.items() if k not in ("input_shape", "num_classes")}
     unknown = [k for k in options if k not in params]
     if unknown:
         near = [m for k in unknown for m in difflib.get_close_matches(str(k), list(params), n=1)]
@@ -118,6 +117,14 @@ def check_model_options(name: str, options: Dict[str, Any]) -> None:
         if problem:
             example = f"; e.g. --model-opt {key}={_as_flag(default)} (the default)" if has_default else ""
             raise ConfigError(f"model {name!r} option {key!r} {problem}, got {value!r}{example}")
+
+
+def model_option_params(name: str) -> Dict[str, inspect.Parameter]:
+    """Model ``name``'s options: its builder's keyword parameters (all but input_shape and
+    num_classes), with their defaults."""
+    load_model_modules()
+    return {k: p for k, p in inspect.signature(MODELS.get(name)).parameters.items()
+            if k not in ("input_shape", "num_classes")}
 
 
 def build_model(name: str, input_shape, num_classes: int, options: Dict[str, Any] | None = None) -> nn.Module:

@@ -234,8 +234,8 @@ def build_femnist(cfg, options: FemnistOptions = None):
         # LEAF has no digits-only release: falling back to it would train on all 62 classes
         raise DataError(
             f"femnist only_digits reads TFF's digits-only files, and {os.path.join(root, tff_file)} is missing "
-            f"({TFF_EMNIST_DIGITS.where()}); put fed_emnist_digitsonly_train.h5 and _test.h5 there, or drop only_digits "
-            f"to train on all 62 classes (TFF's full files or LEAF JSON)")
+            f"({TFF_EMNIST_DIGITS.where()}); put fed_emnist_digitsonly_train.h5 and _test.h5 there, or drop "
+            f"only_digits to train on all 62 classes (TFF's full files or LEAF JSON)")
     source = _pick_source(opts, root, tff_file, TFF_EMNIST, LEAF_FEMNIST,
                           "TFF HDF5 layout examples/<writer>/pixels + label")
     reader = FemnistTFF(cfg, opts, root) if source == "tff" else FemnistLEAF(cfg, opts, root)
