@@ -102,7 +102,7 @@ def save(out: str, round_done: int, world, server: Dict[str, Any], client_store=
         })
         if os.path.exists(final):
             shutil.rmtree(final)
-        os.replace(partial, final)
+        os.replace(partial, final)  # made durable with LATEST's rename: one sync of root covers both
         atomic_write_text(os.path.join(root, "LATEST"), name + "\n")
         _prune(root, round_done)
     world.barrier()

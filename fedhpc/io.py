@@ -40,6 +40,7 @@ def _atomic(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_directory(directory)
     except BaseException as e:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
@@ -48,6 +49,37 @@ def _atomic(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
                               f"there, or choose another --out (files already written, such as the last "
                               f"checkpoint, are intact)") from e
         raise
+
+
+def fsync_directory(directory: str) -> None:
+    """Make the renames done in ``directory`` durable: ``os.replace`` only changes the directory
+    entry, which sits in the page cache until the directory itself is synced, so a node that
+    loses power right after a checkpoint could come back with the old LATEST (or no file).
+    File systems that cannot sync a directory (some network mounts answer EINVAL) are let be:
+    there the rename is as durable as that file system makes it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES):
+            raise
+    finally:
+        os.close(fd)
+
+
+def durable_replace(src: str, dst: str) -> None:
+    """``os.replace(src, dst)`` for a file written by a library that does not sync (h5py): its
+    data is synced first, so the name never points at blocks still unwritten, then the rename."""
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(src, dst)
+    fsync_directory(os.path.dirname(os.path.abspath(dst)))
 
 
 def probe_write(directory: str) -> None:

@@ -128,6 +128,36 @@ def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch)
     assert os.listdir(path.parent) == ["server.pt"]  # no temporary file left behind
 
 
+def test_a_rename_into_place_is_synced_in_its_directory(tmp_path, monkeypatch):
+    """os.replace changes only the directory entry: until the directory is synced, a node losing
+    power after a checkpoint could come back to the old LATEST. Each write syncs the file's data
+    before the rename and the directory after it (what the log records at each fsync: a file or
+    the directory, and whether the new name was in place)."""
+    import stat
+
+    from fedhpc import io as fio
+    target = tmp_path / "out" / "LATEST"
+    log, expected = [], ["round_2\n"]
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        log.append(("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file",
+                    target.exists() and target.read_text() == expected[0]))
+        real_fsync(fd)
+
+    fio.atomic_write_text(str(target), "round_1\n")
+    monkeypatch.setattr(fio.os, "fsync", fsync)
+    fio.atomic_write_text(str(target), "round_2\n")
+    assert log == [("file", False), ("dir", True)]
+
+    log.clear()  # a file a library wrote without syncing (an h5py store) goes in the same way
+    tmp = tmp_path / "out" / "store.h5.tmp"
+    tmp.write_text("round_3\n")
+    expected[0] = "round_3\n"
+    fio.durable_replace(str(tmp), str(target))
+    assert log == [("file", False), ("dir", True)] and not tmp.exists()
+
+
 def test_more_threads_than_cores_is_warned_about(tmp_path):
     cores = len(os.sched_getaffinity(0))
     args = FAST[:]

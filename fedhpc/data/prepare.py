@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import DataError, FedHPCError
+from ..io import durable_replace
 from .formats import IMAGENET, list_image_folder
 from .store import Progress
 
@@ -145,7 +146,7 @@ def prepare_image_subset(
             f.create_dataset("classes", data=np.array(classes, dtype=object), dtype=h5py.string_dtype())
             f.attrs.update(format=PREPARED_FORMAT, num_classes=len(classes), size=size, seed=seed,
                            source=os.path.abspath(src))
-        os.replace(tmp, out)
+        durable_replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

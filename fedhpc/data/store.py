@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
+from ..io import durable_replace
 from .base import BatchTransform, ClientData, FederatedData, local_split_rng, split_local
 from .formats import open_h5_readonly
 
@@ -271,7 +272,7 @@ def open_or_build_store(
             build(tmp)
             if read_store_meta(tmp) != meta:
                 raise DataError(f"the store written to {tmp} does not carry the expected metadata")
-            os.replace(tmp, path)
+            durable_replace(tmp, path)
         except OSError as e:
             raise DataError(
                 f"cannot write the client store {path} ({e}); set the dataset option store_dir=DIR "
