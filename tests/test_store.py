@@ -17,7 +17,7 @@ import torch
 from conftest import cfg_for, opts
 
 from fedhpc.data import ArrayFederatedData, build_dataset
-from fedhpc.data.store import HDF5ClientStore, build_store_from_arrays
+from fedhpc.data.store import HDF5ClientStore, build_store_from_arrays, gather_rows
 from fedhpc.errors import DataError
 
 
@@ -266,6 +266,23 @@ def test_auto_store_choice_and_unwritable_store_dir(tmp_path):
     assert os.path.dirname(default.path) == os.path.join(str(tmp_path), "fedhpc_stores")
 
 
+def test_auto_store_counts_targets_of_next_char_pools(tmp_path):
+    """Shakespeare's y is as large as its x: a pool whose x alone fits the threshold goes to hdf5."""
+    from fedhpc.data.readers.natural import ShakespeareReader
+
+    root = tmp_path / "shakespeare"
+    write_tff_shakespeare(str(root))
+    cfg = cfg_for(tmp_path, "shakespeare", "natural", 3)
+    reader = ShakespeareReader(cfg, opts("shakespeare", seq_len=8), str(root), "tff")
+    pool = reader.load_pool()
+    assert reader.estimate_bytes() == pool.x.nbytes + pool.y.nbytes
+    between = (pool.x.nbytes + pool.y.nbytes // 2) / 2 ** 20  # over x, under x + y
+    data = build_dataset(cfg, opts("shakespeare", seq_len=8, store="auto", store_threshold_mb=between,
+                                   store_dir=str(tmp_path / "s")))
+    assert isinstance(data, HDF5ClientStore)
+    data.close()
+
+
 def test_build_store_from_lazy_hdf5_pool(tmp_path):
     """Pools too big for memory are read from an h5py dataset by runs of rows."""
     rng = np.random.default_rng(5)
@@ -288,3 +305,19 @@ def test_build_store_from_lazy_hdf5_pool(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         store.client(6)
     store.close()
+
+
+@pytest.mark.parametrize("idx", [
+    [0, 1, 2, 3], [2, 3, 7, 8, 9, 15],  # sorted: one slice, one slice per run
+    [0, 2, 1, 3],  # spans 4 rows without being rows 0..3
+    [15, 9, 8, 7, 3, 0], [5, 5, 6, 6, 2, 5], [4, 9, 4], [], [11],
+])
+def test_gather_rows_from_hdf5_matches_numpy_indexing(tmp_path, idx):
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 256, (16, 2, 3), dtype=np.uint8)
+    with h5py.File(tmp_path / "rows.h5", "w") as f:
+        f["x"] = x
+    idx = np.array(idx, dtype=np.int64)
+    with h5py.File(tmp_path / "rows.h5", "r") as f:
+        got = gather_rows(f["x"], idx)
+    assert got.dtype == x.dtype and np.array_equal(got, x[idx])

@@ -96,18 +96,28 @@ class StreamedClients:
 
 
 def gather_rows(src, idx: np.ndarray) -> np.ndarray:
-    """``src[idx]`` for sorted ``idx``; reads an h5py dataset by runs instead of point by point."""
+    """``src[idx]`` for any ``idx`` (any order, repeats); reads an h5py dataset by runs of rows.
+
+    h5py refuses unsorted or repeated fancy indices and reads a point selection row by
+    row, so rows are read as slices: one for a contiguous ``idx``, one per run of
+    consecutive rows for a sorted one. Any other ``idx`` reads its distinct rows that
+    way, in sorted order, and is put in order in memory.
+    """
     if isinstance(src, np.ndarray):
         return src[idx]
+    idx = np.asarray(idx, dtype=np.int64)
     if len(idx) == 0:
         return np.empty((0,) + tuple(src.shape[1:]), dtype=src.dtype)
-    lo, hi = int(idx[0]), int(idx[-1]) + 1
-    if hi - lo == len(idx):  # one contiguous run
-        return src[lo:hi]
-    # Split into runs of consecutive rows; read each run as one slice.
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    runs = np.split(idx, breaks)
-    return np.concatenate([src[int(r[0]):int(r[-1]) + 1] for r in runs])
+    steps = np.diff(idx)
+    if np.any(steps <= 0):
+        # Unsorted or repeated: [0, 2, 1, 3] spans 4 rows without being rows 0..3, and a
+        # permuted client read run by run would cost one slice per row.
+        rows, where = np.unique(idx, return_inverse=True)
+        return gather_rows(src, rows)[where.reshape(-1)]
+    breaks = np.flatnonzero(steps != 1) + 1
+    if len(breaks) == 0:  # one contiguous run
+        return src[int(idx[0]):int(idx[-1]) + 1]
+    return np.concatenate([src[int(r[0]):int(r[-1]) + 1] for r in np.split(idx, breaks)])
 
 
 # --------------------------------------------------------------------------- writing

@@ -331,6 +331,7 @@ class Reader:
         raise NotImplementedError
 
     def estimate_bytes(self) -> int:
+        """Bytes of the training pool once loaded, x and y: store=auto compares it with store_threshold_mb."""
         raise NotImplementedError
 
     def load_pool(self, lazy: bool = False) -> Pool:
@@ -398,7 +399,9 @@ class NaturalReader(Reader):
         return y
 
     def estimate_bytes(self) -> int:
-        per_sample = int(np.prod(self.x_tail)) * np.dtype(self.x_dtype).itemsize
+        # y counts too: Shakespeare's y is a sequence as long as x, half of the pool
+        per_sample = (int(np.prod(self.x_tail)) * np.dtype(self.x_dtype).itemsize
+                      + int(np.prod(self.y_tail)) * np.dtype(self.y_dtype).itemsize)
         return int(self.writer_counts().sum()) * per_sample
 
     def chosen_writers(self) -> np.ndarray:

@@ -74,7 +74,7 @@ class Imagenet200Reader(Reader):
 
     def estimate_bytes(self) -> int:
         ds = self._file()["train/x"]
-        return int(np.prod(ds.shape)) * ds.dtype.itemsize
+        return int(np.prod(ds.shape)) * ds.dtype.itemsize + int(ds.shape[0]) * np.dtype(self.y_dtype).itemsize
 
     def load_pool(self, lazy: bool = False) -> Pool:
         f = self._file()

@@ -43,7 +43,7 @@ class IdxReader(Reader):
 
     def estimate_bytes(self) -> int:
         dims, dtype = read_idx_header(self.source_files()[0], self.published)
-        return int(np.prod(dims)) * dtype.itemsize
+        return int(np.prod(dims)) * dtype.itemsize + int(dims[0]) * np.dtype(self.y_dtype).itemsize
 
     def fix(self, x: np.ndarray, y: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         return x, y
