@@ -174,7 +174,7 @@ def _read(directory: str) -> Dict[str, Any]:
     return body
 
 
-def _canonical(identity: Dict[str, Any]) -> Dict[str, Any]:
+def _canonical(identity: Dict[str, Any], auto_means: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """``identity`` as today's code reads it, so that settings spelled differently but meaning
     the same run compare equal:
 
@@ -184,18 +184,29 @@ def _canonical(identity: Dict[str, Any]) -> Dict[str, Any]:
       option written out at its default (``finetune_epochs: 4``) are the same run, as ``lr: 1e-3``
       and ``lr: 0.001`` already are. A mapping today's code cannot read (an option since
       removed) is compared as written. A default whose change alters a running method is the
-      method's to guard in its checkpointed state (pMixFed's ``first_layer_index``).
+      method's to guard in its checkpointed state (pMixFed's ``first_layer_index``);
+    * the partition as :func:`~fedhpc.data.partition.canonical_partition` spells it
+      ('dirichlet:.50' is 'dirichlet:0.5');
+    * a setting left at 'auto' as what it stands for in this run (``auto_means``: the model
+      'auto' is the dataset's default), so that naming that default resumes an 'auto' run and
+      the other way round. The dataset is part of the identity, so both sides mean the same.
     """
     import dataclasses
 
     from .algorithms import ALGORITHMS, load_algorithm_modules
     from .config import build_options
     from .data import DATASETS, load_dataset_modules
+    from .data.partition import canonical_partition
     from .models import MODELS, load_model_modules, model_option_params
     from .server.channel import ChannelOptions
 
     load_algorithm_modules(); load_dataset_modules(); load_model_modules()
     out = dict(identity)
+    for key, meaning in (auto_means or {}).items():
+        if isinstance(out.get(key), str) and out[key].strip().lower() == "auto":
+            out[key] = meaning
+    if isinstance(out.get("partition"), str):
+        out["partition"] = canonical_partition(out["partition"])
     for key, registry in (("algo", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS)):
         if isinstance(out.get(key), str) and out[key] in registry:
             out[key] = registry.canonical(out[key])
@@ -227,8 +238,9 @@ def _canonical(identity: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, Any]) -> None:
-    saved, now = _canonical(body.get("identity") or {}), _canonical(identity)
+def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, Any],
+                    auto_means: Optional[Dict[str, str]] = None) -> None:
+    saved, now = _canonical(body.get("identity") or {}, auto_means), _canonical(identity, auto_means)
     if saved != now:
         diffs = []
         for k in sorted(set(saved) | set(now)):
@@ -245,7 +257,7 @@ def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, An
             f"the original settings, or use another --out for the new run")
 
 
-def load(directory: str, identity: Dict[str, Any]) -> Dict[str, Any]:
+def load(directory: str, identity: Dict[str, Any], auto_means: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Read and validate one checkpoint; refuse corrupt or mismatched ones with a clear message."""
     fix = (f"delete {os.path.dirname(directory)} to start afresh, or point --out at the run "
            f"this checkpoint belongs to")
@@ -253,7 +265,7 @@ def load(directory: str, identity: Dict[str, Any]) -> Dict[str, Any]:
         body = _read(directory)
     except _Damaged as e:
         raise CheckpointError(f"checkpoint {directory} is corrupt: {e}; {fix}")
-    _check_identity(directory, body, identity)
+    _check_identity(directory, body, identity, auto_means)
     return body
 
 
@@ -287,7 +299,7 @@ def _candidates(out: str) -> Tuple[List[str], List[str]]:
     return [os.path.join(root, d) for d in order], problems
 
 
-def _choose(out: str, identity: Dict[str, Any]):
+def _choose(out: str, identity: Dict[str, Any], auto_means: Optional[Dict[str, str]] = None):
     """This rank's verdict: ("none",), ("use", directory, body, damaged) or ("error", message)."""
     candidates, problems = _candidates(out)
     if not candidates and not problems:
@@ -302,7 +314,7 @@ def _choose(out: str, identity: Dict[str, Any]):
         except CheckpointError as e:
             return ("error", str(e))
         try:
-            _check_identity(directory, body, identity)
+            _check_identity(directory, body, identity, auto_means)
         except CheckpointError as e:
             return ("error", str(e))
         return ("use", directory, body, damaged)
@@ -317,6 +329,7 @@ def load_latest_intact(
     identity: Dict[str, Any],
     warn: Optional[Callable[[str], None]] = _print_to_stderr,
     world=None,
+    auto_means: Optional[Dict[str, str]] = None,
 ) -> Optional[Tuple[str, Dict[str, Any]]]:
     """(directory, body) of the newest intact checkpoint of this run, or None if there is none.
 
@@ -326,14 +339,15 @@ def load_latest_intact(
     one message naming every skipped one and the one used. CheckpointError when every kept
     checkpoint is damaged, or when the first intact one was written with other settings
     (``identity`` differs): that is refused, never skipped, since it means --out holds
-    another run.
+    another run. ``auto_means``: what a setting left at 'auto' stands for in this run
+    (see :func:`_canonical`).
 
     With a multi-rank ``world`` every rank must call it: only rank 0 warns, and the ranks
     compare their verdicts (one object all-gather) so that they either all resume from the
     same checkpoint or all raise the same error, instead of diverging or hanging when they
     see different files (e.g. node-local disks).
     """
-    verdict = _choose(out, identity)
+    verdict = _choose(out, identity, auto_means)
     if world is not None and getattr(world, "size", 1) > 1:
         # Compare checkpoint names, not paths: ranks agree when they pick the same round.
         summary = verdict[:2] if verdict[0] != "use" else ("use", os.path.basename(verdict[1]))

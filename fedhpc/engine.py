@@ -434,7 +434,8 @@ class Engine(Evaluation, RunLog):
         return {**self.cfg.identity(), **{k: getattr(self.cfg, k) for k in self.algo.identity_settings}}
 
     def restore(self) -> None:
-        found = checkpoint.load_latest_intact(self.cfg.out, self._identity(), warn=self._warn, world=self.world)
+        found = checkpoint.load_latest_intact(self.cfg.out, self._identity(), warn=self._warn, world=self.world,
+                                              auto_means={"model": self.data.default_model()})
         if found is None:
             if self.is_main:
                 print(f"no checkpoint in {self.cfg.out}: starting from round 0", flush=True)

@@ -518,3 +518,57 @@ def test_a_checkpoint_from_older_partition_rules_is_refused(tmp_path):
     out = saved_run(tmp_path, rounds=(10,), identities={10: old})
     with pytest.raises(CheckpointError, match="partition_rules"):
         ckpt.load_latest_intact(out, ident, warn=None)
+
+
+@pytest.mark.parametrize("saved, now", [
+    ("Dirichlet:.50", "dirichlet:0.5"),
+    ("dirichlet_capped:0.5", "dirichlet_capped:0.5:10"),
+    ("deficient:3,1:2:60", "deficient:1,3:2:60"),
+    ("classes: 2", "classes:2"),
+    ("AUTO", "auto"),
+])
+def test_a_partition_spelled_another_way_is_the_same_run(tmp_path, saved, now):
+    out = saved_run(tmp_path, rounds=(10,), identities={10: {**IDENTITY, "partition": saved}})
+    assert ckpt.load_latest_intact(out, {**IDENTITY, "partition": now}, warn=None)[1]["round"] == 10
+    with pytest.raises(CheckpointError, match="partition: checkpoint"):
+        ckpt.load_latest_intact(out, {**IDENTITY, "partition": "dirichlet:0.3"}, warn=None)
+
+
+@pytest.mark.parametrize("a, b", [
+    ("Dirichlet:.50", "dirichlet:0.5"),
+    ("dirichlet_capped:0.5", "dirichlet_capped:0.5:10"),
+    ("deficient:3,1:2:10", "deficient:1,3:2:10"),
+    ("classes: 2", "classes:2"),
+])
+def test_partition_spellings_called_the_same_run_deal_the_same_split(a, b):
+    """What makes the resume above honest: the two spellings really deal one split, sample for
+    sample (and a spelling of another split does not compare equal)."""
+    import numpy as np
+
+    from fedhpc.data.partition import CAPPED_MIN_SAMPLES, canonical_partition, make_partition
+    assert CAPPED_MIN_SAMPLES == 10  # the explicit MIN in the cases above
+    assert canonical_partition(a) == canonical_partition(b)
+    assert canonical_partition(a) != canonical_partition("dirichlet:0.3")
+    labels = np.random.default_rng(0).integers(0, 6, size=600)
+    pa, pb = make_partition(a, labels, 6, 3), make_partition(b, labels, 6, 3)
+    assert len(pa) == len(pb) == 6 and all(np.array_equal(x, y) for x, y in zip(pa, pb))
+
+
+def test_a_run_left_at_model_auto_resumes_under_the_model_it_stood_for(tmp_path):
+    """The digits' default model is the CNN: a run started with --model auto (the default) and
+    resumed naming cnn is the same run, and the other way round; naming another model is not."""
+    def args(rounds, model, out):
+        a = FAST + ["--out", out, "--checkpoint-every", "1"]
+        a[a.index("--rounds") + 1] = str(rounds)
+        a[a.index("--model") + 1] = model
+        return a
+    straight = str(tmp_path / "straight")
+    assert launch(args(3, "cnn", straight)).returncode == 0
+    for first, then in (("auto", "cnn"), ("cnn", "auto")):
+        out = str(tmp_path / f"{first}-{then}")
+        assert launch(args(2, first, out)).returncode == 0
+        p = launch(args(3, then, out) + ["--resume"])
+        assert p.returncode == 0, p.stderr
+        assert max_diff(final_weights(straight), final_weights(out)) == 0
+    p = launch(args(3, "mlp", str(tmp_path / "auto-cnn")) + ["--resume"])
+    assert p.returncode == 2 and "model: checkpoint 'cnn' vs now 'mlp'" in p.stderr, p.stderr

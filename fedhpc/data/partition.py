@@ -116,6 +116,30 @@ def check_partition(spec: str) -> None:
         _ARG_CHECKS[name](arg)
 
 
+def canonical_partition(spec: str) -> str:
+    """``spec`` written one way for each split it names, so that a resume compares meanings:
+    'Dirichlet:.50' and 'dirichlet:0.5' are one split, as are 'dirichlet_capped:0.5' and its
+    default MIN written out, or 'deficient:3,1:2:60' and 'deficient:1,3:2:60' (the argument as its
+    check parses it: every partition draws from that and the seed alone). 'auto' stays 'auto':
+    what it means depends on the dataset. A spec no partition reads today is returned as typed."""
+    text = str(spec).strip()
+    if text.lower() in ("", "auto", "default"):
+        return "auto"
+    try:
+        name, arg = parse_partition(text)
+        value = _ARG_CHECKS[name](arg) if name in _ARG_CHECKS else arg
+    except ConfigError:
+        return text
+
+    def spelled(v) -> str:
+        if isinstance(v, tuple):
+            return ":".join(spelled(e) for e in v)
+        if isinstance(v, list):
+            return ",".join(spelled(e) for e in v)
+        return repr(v) if isinstance(v, float) else str(v)
+    return name if value in (None, "") else f"{name}:{spelled(value)}"
+
+
 class Partition(list):
     """A client partition (list of index arrays) that also names the server's own samples.
 
