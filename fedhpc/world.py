@@ -13,7 +13,8 @@ Detection order (first match wins):
 MPI only launches and bootstraps; tensors travel over torch.distributed with gloo
 on CPU and NCCL on GPU when every rank of a node has a GPU of its own. Ranks that share a
 GPU (more ranks on a node than GPUs) cannot use NCCL, which refuses two ranks on one device:
-their collectives go over gloo, staged through host memory (:func:`choose_backend`).
+their collectives go over gloo, staged through host memory. The ranks agree on the backend
+from every rank's view before the process group exists (:func:`agree_backend`).
 """
 
 from __future__ import annotations
@@ -81,37 +82,106 @@ def gpu_numerics(deterministic: bool) -> None:
 
 
 def choose_backend(use_cuda: bool, ranks_on_node: int, gpus_on_node: int, requested: str = "auto"):
-    """(backend, note): which torch.distributed backend carries the ranks' tensors.
+    """(backend, note) for ranks that all look like this node: :func:`agree_backend` of one view."""
+    return agree_backend([{"host": "this node", "cuda": use_cuda, "gpu": None,
+                           "ranks": ranks_on_node, "gpus": gpus_on_node}], requested)
 
-    * CPU runs: gloo.
-    * GPU runs with a GPU per rank on every node: NCCL (GPU-direct, the fastest).
+
+def agree_backend(views: List[dict], requested: str = "auto"):
+    """(backend, note): which torch.distributed backend carries the ranks' tensors, decided from
+    every rank's view so that all ranks decide alike (one picking NCCL while another picks gloo
+    hangs init_process_group; a refusal raised on one node alone leaves the others waiting there).
+
+    ``views[r]``: rank r's host, whether it runs on a GPU (``cuda``), that GPU's UUID (``gpu``, or
+    None where torch cannot say) and its node's ``ranks`` and ``gpus`` as :func:`gpu_layout` reads
+    them.
+
+    * CPU runs: gloo; so is a run where some ranks have no GPU (their peers stage through host memory).
+    * GPU runs with a GPU per rank: NCCL (GPU-direct, the fastest).
     * GPU runs where ranks share a GPU: gloo, staged through host memory. NCCL refuses two
-      ranks on one device ("Duplicate GPU detected"), so it is no option there. The note says
-      what that costs and the usual better layout for small models: one rank per GPU training
-      several clients at once (``--clients-at-once``), measured in benchmarks/RESULTS.md.
+      ranks on one device ("Duplicate GPU detected"), so it is no option there. Sharing is read
+      from the UUIDs when every rank has one (this sees any binding: --gpu-bind, a
+      CUDA_VISIBLE_DEVICES of one's own), else from the layout (more ranks than GPUs on a node).
+      The note says what gloo costs and the usual better layout for small models: one rank per
+      GPU training several clients at once (``--clients-at-once``), measured in benchmarks/RESULTS.md.
 
     ``requested`` ("auto", "nccl", "gloo") overrides the choice where that can work, and a
     request that cannot (NCCL on CPU, NCCL with shared GPUs) is a ConfigError naming the fix.
     """
     if requested not in BACKENDS:
         raise ConfigError(f"--collective-backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
-    if not use_cuda:
+    on_cpu = [r for r, v in enumerate(views) if not v["cuda"]]
+    if on_cpu:
         if requested == "nccl":
-            raise ConfigError("--collective-backend nccl needs GPUs (--device cuda); CPU runs use gloo: "
-                              "drop the option or set it to auto")
-        return "gloo", ""
-    shared = ranks_on_node > gpus_on_node
+            where = "" if len(on_cpu) == len(views) else f" on every rank, but rank(s) {_ranks(on_cpu)} have none"
+            raise ConfigError(f"--collective-backend nccl needs GPUs (--device cuda){where}; CPU runs use gloo: "
+                              f"drop the option or set it to auto")
+        if len(on_cpu) == len(views):
+            return "gloo", ""
+        return "gloo", (f"collectives over gloo through host memory (rank(s) {_ranks(on_cpu)} have no GPU); "
+                        f"give every rank a GPU, or run all on CPU with --device cpu")
+    shared, fix = _shared_gpus(views)
     if requested == "nccl" and shared:
-        raise ConfigError(f"--collective-backend nccl needs one rank per GPU, but {ranks_on_node} ranks on this "
-                          f"node share {gpus_on_node} GPU(s). Launch at most {gpus_on_node} rank(s) per node "
-                          f"(and train several clients per rank at once with --clients-at-once K), or use "
+        raise ConfigError(f"--collective-backend nccl needs one rank per GPU, but {shared}. {fix}, or use "
                           f"--collective-backend gloo (or auto)")
     if requested == "gloo" or shared:
-        why = (f"{ranks_on_node} ranks share {gpus_on_node} GPU(s) on this node and NCCL needs one rank per GPU"
-               if shared else "--collective-backend gloo")
+        why = (f"{shared} and NCCL needs one rank per GPU" if shared else "--collective-backend gloo")
         return "gloo", (f"collectives over gloo through host memory ({why}); for small models one rank per GPU "
                         f"with --clients-at-once K is usually faster")
     return "nccl", ""
+
+
+def _ranks(ranks: List[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _shared_gpus(views: List[dict]) -> tuple:
+    """(what is shared, the fix) for GPU views, or ("", "") when every rank has a GPU of its own."""
+    if all(v.get("gpu") for v in views):
+        users: dict = {}
+        for r, v in enumerate(views):
+            users.setdefault((v["host"], v["gpu"]), []).append(r)
+        for (host, _), ranks in users.items():
+            if len(ranks) > 1:
+                return (f"ranks {_ranks(ranks)} share one GPU on {host}",
+                        "Give each rank its own GPU (srun --gpus-per-task=1, or a --gpu-bind / "
+                        "CUDA_VISIBLE_DEVICES that maps ranks to distinct GPUs; train several clients per "
+                        "rank at once with --clients-at-once K)")
+        return "", ""
+    for v in views:
+        if v["ranks"] > v["gpus"]:
+            return (f"{v['ranks']} ranks share {v['gpus']} GPU(s) on {v['host']}",
+                    f"Launch at most {v['gpus']} rank(s) per node (and train several clients per rank at "
+                    f"once with --clients-at-once K)")
+    return "", ""
+
+
+def gpu_uuid(device: torch.device) -> Optional[str]:
+    """The UUID of ``device``, which tells two ranks on one GPU apart from two on two GPUs
+    whatever each one's CUDA_VISIBLE_DEVICES calls them; None where torch cannot say."""
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # noqa: BLE001 - older torch, or no real GPU behind a mocked one
+        return None
+    # an all-zero UUID (seen from some virtualised GPUs) would make every GPU look like one
+    return uuid if uuid.strip("0-") else None
+
+
+def exchange_views(store, rank: int, size: int, view: dict) -> List[dict]:
+    """Every rank's ``view``, in rank order, through the rendezvous store (before any process
+    group exists: which group to create is what the views decide)."""
+    import json
+
+    store.set(f"fedhpc_view/{rank}", json.dumps(view))
+    return [json.loads(store.get(f"fedhpc_view/{r}")) for r in range(size)]
+
+
+def rendezvous_store(init_method: str, rank: int, size: int, timeout: timedelta):
+    """The store init_process_group would make from ``init_method`` (rank 0 hosts it, or the
+    torchrun agent's), made here so that the ranks can agree on a backend before the group."""
+    store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
 
 
 # ------------------------------------------------------------- the node layout under srun
@@ -258,9 +328,9 @@ def gpu_layout(env, launcher: str, local_size: int, busiest: int, visible: int) 
       own set (cuda:0 with one GPU per task): (local_size, G), never shared.
     * otherwise the ranks share what this task sees, as before: every task sees the same
       ``visible`` GPUs and rank i uses cuda:(i % visible). (busiest, visible), with
-      ``busiest`` the step's largest tasks-per-node, so that every node decides the same way
-      when the nodes hold the same GPUs: a node with fewer tasks must not pick NCCL while a
-      fuller one picks gloo (init_process_group would hang).
+      ``busiest`` the step's largest tasks-per-node: a node with fewer tasks shares its GPUs
+      as a fuller one does. (:func:`agree_backend` makes the ranks decide alike in any case;
+      where every rank's GPU UUID is known, those decide sharing instead of this count.)
 
     CUDA_VISIBLE_DEVICES alone cannot tell the cases apart (a GPU shared by four tasks shows
     as ``0`` in each, as does a private one under device cgroups), nor can SLURM_STEP_GPUS (in
@@ -345,7 +415,16 @@ class World:
             self.device = torch.device("cpu")
         ranks, gpus = gpu_layout(env, self.launcher, self.local_size, busiest or self.local_size,
                                  torch.cuda.device_count() if use_cuda else 0)
-        self.backend, self.backend_note = choose_backend(use_cuda, ranks, gpus, backend)
+        view = {"host": socket.gethostname(), "cuda": use_cuda, "gpu": gpu_uuid(self.device) if use_cuda else None,
+                "ranks": ranks, "gpus": gpus}
+        store = None
+        if self.size > 1:
+            store = rendezvous_store(init_method, self.rank, self.size, timedelta(seconds=timeout))
+            views = self._guard("rendezvous", exchange_views, store, self.rank, self.size, view)
+        else:
+            views = [view]
+        # Every rank decides from the same views: they all pick one backend or all raise one error.
+        self.backend, self.backend_note = agree_backend(views, backend)
         # gloo carries CPU tensors only as far as this code relies on: GPU tensors on a gloo run
         # go through a host copy in each collective (see _on_host)
         self._stage_on_host = use_cuda and self.backend == "gloo"
@@ -356,7 +435,8 @@ class World:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self._timeout = timeout
         if self.size > 1:
-            dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
+            # under the prefix init_process_group gives a store it makes itself
+            dist.init_process_group(self.backend, store=dist.PrefixStore("default_pg", store), rank=self.rank,
                                     world_size=self.size, timeout=timedelta(seconds=timeout))
         # Collectives on CPU tensors (objects, small metadata) go through gloo even on GPU runs.
         self._cpu_group = None

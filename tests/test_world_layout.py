@@ -27,8 +27,9 @@ def srun_env(tasks, localid, procid=None, per_node=None, **extra):
     return env
 
 
-def make_world(monkeypatch, env, gpus=0, cores=8, **kw):
+def make_world(monkeypatch, env, gpus=0, cores=8, peers=None, **kw):
     """World as one task with ``env`` would build it, seeing ``gpus`` GPUs and ``cores`` cores.
+    The other ranks' views are ``peers(rank, size, view)`` (default: all look like this one).
 
     Returns (world, backend given to init_process_group, threads given to torch)."""
     for k in list(os.environ):
@@ -47,6 +48,9 @@ def make_world(monkeypatch, env, gpus=0, cores=8, **kw):
     monkeypatch.setattr(world, "gpu_numerics", lambda deterministic: None)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **a: seen.__setitem__("backend", backend))
     monkeypatch.setattr(dist, "new_group", lambda **a: None)
+    monkeypatch.setattr(world, "rendezvous_store", lambda *a: dist.HashStore())
+    monkeypatch.setattr(world, "exchange_views", lambda store, rank, size, view:
+                        (peers or (lambda r, n, v: [v] * n))(rank, size, view))
     w = world.World(device="auto", **kw)
     return w, seen.get("backend"), seen.get("threads")
 
@@ -235,3 +239,87 @@ def test_node_id_outside_the_list_is_a_config_error(monkeypatch, node):
 ])
 def test_slurm_tasks_per_node(env, expect):
     assert world.slurm_tasks_per_node(env) == expect
+
+
+# ------------------------------------------------------------------ 4. one backend for all ranks
+
+def gpu_view(host, gpu=None, ranks=1, gpus=1, cuda=True):
+    return {"host": host, "cuda": cuda, "gpu": gpu, "ranks": ranks, "gpus": gpus}
+
+
+@pytest.mark.parametrize("what, views, expect, needle", [
+    ("distinct GPUs by UUID", [gpu_view("n0", "A"), gpu_view("n0", "B"), gpu_view("n1", "A")], "nccl", ""),
+    ("two ranks on one GPU by UUID (a --gpu-bind the layout cannot see)",
+     [gpu_view("n0", "A", 2, 2), gpu_view("n0", "A", 2, 2)], "gloo", "ranks 0, 1 share one GPU on n0"),
+    ("UUIDs beat a layout that looks shared",
+     [gpu_view("n0", "A", 4, 2), gpu_view("n0", "B", 4, 2)], "nccl", ""),
+    ("a rank without a UUID: the layout of the fullest node decides",
+     [gpu_view("n0", "A", 1, 1), gpu_view("n1", None, 2, 1)], "gloo", "2 ranks share 1 GPU(s) on n1"),
+    ("nodes with different GPU counts", [gpu_view("n0", None, 2, 2), gpu_view("n1", None, 4, 2)],
+     "gloo", "4 ranks share 2 GPU(s) on n1"),
+    ("a rank on CPU among GPU ranks", [gpu_view("n0", "A"), gpu_view("n1", cuda=False, gpus=0)],
+     "gloo", "rank(s) 1 have no GPU"),
+    ("CPU only", [gpu_view("n0", cuda=False, gpus=0)] * 3, "gloo", ""),
+])
+def test_the_ranks_agree_on_one_backend(what, views, expect, needle):
+    backend, note = world.agree_backend(views)
+    assert backend == expect, what
+    assert (needle in note) if needle else note == "", (what, note)
+
+
+@pytest.mark.parametrize("views, needle", [
+    ([gpu_view("n0", "A"), gpu_view("n0", "A")], "ranks 0, 1 share one GPU on n0.*--gpu-bind"),
+    ([gpu_view("n0", None, 2, 2), gpu_view("n1", None, 4, 2)], "4 ranks share 2 GPU"),
+    ([gpu_view("n0", "A"), gpu_view("n1", cuda=False, gpus=0)], "on every rank, but rank.s. 1 have none"),
+])
+def test_nccl_that_some_rank_cannot_use_is_refused_naming_it(views, needle):
+    with pytest.raises(ConfigError, match=needle):
+        world.agree_backend(views, "nccl")
+
+
+def test_a_task_with_its_own_gpu_follows_a_node_whose_tasks_share_one(monkeypatch):
+    """Node 0's task has a GPU to itself; node 1's two tasks share one. Each node alone would
+    pick NCCL on node 0 and gloo on node 1, and init_process_group would hang: node 0 must take
+    gloo too, and a request for NCCL fails on node 0 as well, naming node 1."""
+    def peers(rank, size, view):
+        return [view] + [gpu_view("node1", None, 2, 1)] * (size - 1)
+    env = srun_env(3, 0, per_node="1,2", SLURM_NODEID="0", SLURM_GPUS_PER_TASK="1")
+    w, backend, _ = make_world(monkeypatch, env, gpus=1)
+    assert (w.backend, backend) == ("nccl", "nccl")  # alone it would
+    w, backend, _ = make_world(monkeypatch, env, gpus=1, peers=peers)
+    assert (w.backend, backend) == ("gloo", "gloo") and "2 ranks share 1 GPU(s) on node1" in w.backend_note
+    with pytest.raises(ConfigError, match="on node1"):
+        make_world(monkeypatch, env, gpus=1, peers=peers, backend="nccl")
+
+
+def test_views_travel_through_the_rendezvous_store():
+    """exchange_views over a real store, ranks arriving in any order (threads for ranks)."""
+    import threading
+    from datetime import timedelta
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    got = {}
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(
+        r, world.exchange_views(store, r, 3, gpu_view(f"n{r}", f"G{r}")))) for r in (2, 0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = [gpu_view(f"n{r}", f"G{r}") for r in range(3)]
+    assert got == {0: want, 1: want, 2: want}
+
+
+def test_gpu_uuid_reads_the_device_and_ignores_an_empty_one(monkeypatch):
+    class Props:
+        def __init__(self, uuid):
+            self.uuid = uuid
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props("5c1f0e2a-0000-1111-2222-333344445555"))
+    assert world.gpu_uuid(torch.device("cuda", 0)) == "5c1f0e2a-0000-1111-2222-333344445555"
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props("00000000-0000-0000-0000-000000000000"))
+    assert world.gpu_uuid(torch.device("cuda", 0)) is None
+
+    def no_gpu(d):
+        raise RuntimeError("no CUDA")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
+    assert world.gpu_uuid(torch.device("cuda", 0)) is None
