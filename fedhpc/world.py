@@ -173,7 +173,13 @@ def exchange_views(store, rank: int, size: int, view: dict) -> List[dict]:
     import json
 
     store.set(f"fedhpc_view/{rank}", json.dumps(view))
-    return [json.loads(store.get(f"fedhpc_view/{r}")) for r in range(size)]
+    views = [json.loads(store.get(f"fedhpc_view/{r}")) for r in range(size)]
+    # Rank 0 hosts the store: it waits until every rank has read every view, so that when the
+    # views make every rank raise the same ConfigError, none finds the store gone mid-read.
+    store.set(f"fedhpc_view_read/{rank}", "1")
+    if rank == 0:
+        store.wait([f"fedhpc_view_read/{r}" for r in range(size)])
+    return views
 
 
 def rendezvous_store(init_method: str, rank: int, size: int, timeout: timedelta):
