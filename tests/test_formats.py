@@ -833,3 +833,122 @@ def test_an_empty_global_test_set_is_refused_naming_the_file(tmp_path, kind, sto
             build_dataset(cfg_for(tmp_path, dataset, partition, 2),
                           opts(dataset, store=store, store_dir=str(tmp_path / "stores"), **extra))
         assert str(path) in str(e.value)
+
+
+# --------------------------------------------------------------------------- files found and checked as published
+
+
+def test_shakespeare_tff_missing_test_file_is_a_data_error_with_a_store(tmp_path):
+    """store=hdf5 fingerprints the source files before anything opens them: a missing one must be the
+    same DataError as with store=memory (naming the file, its layout and source), not a bare FileNotFoundError."""
+    root = tmp_path / "shakespeare"
+    write_tff_shakespeare(root)
+    (root / "shakespeare_test.h5").unlink()
+    for store in ("memory", "hdf5"):
+        with pytest.raises(DataError) as e:
+            build_dataset(cfg_for(tmp_path, "shakespeare", "natural", 2),
+                          opts("shakespeare", seq_len=10, store=store, store_dir=str(tmp_path / "stores")))
+        msg = str(e.value)
+        assert f"not found: expected {root / 'shakespeare_test.h5'}" in msg, store
+        assert "examples/<client_id>/snippets" in msg and "tff-datasets-public/shakespeare" in msg, store
+
+
+@pytest.mark.parametrize("dataset", ["femnist", "shakespeare"])
+def test_leaf_json_under_a_folder_name_with_glob_characters(tmp_path, dataset):
+    """The split folder is a path, not a pattern: exp[1] matches 'exp1', not itself."""
+    data_dir = tmp_path / "exp[1]*?"
+    if dataset == "femnist":
+        write_leaf_femnist(data_dir / "femnist")
+    else:
+        write_leaf_shakespeare(data_dir / "shakespeare")
+    data = build_dataset(cfg_for(data_dir, dataset, "natural", 2), opts(dataset, store="memory"))
+    assert data.num_clients == 2 and data.num_test() > 0
+
+
+@pytest.mark.parametrize("source", ["leaf", "tff"])
+def test_femnist_pixels_outside_0_1_are_refused_not_clipped(tmp_path, source):
+    """LEAF's pixels are greyscale / 255: a 0..255 re-export would be clipped to a black-and-white image."""
+    root = tmp_path / "femnist"
+    if source == "leaf":
+        write_leaf_femnist(root)
+        path = root / "train" / "all_data_1_niid_0_keep_0_train_9.json"
+    else:
+        write_tff_femnist(root)
+        path = root / "fed_emnist_train.h5"
+    # natural with all 5 eligible writers: TFF reads only the writers drawn as clients
+    build_dataset(cfg_for(tmp_path, "femnist", "natural", 5), opts("femnist", store="memory"))  # valid: loads
+    for bad, shown in ((255.0, "255"), (-0.5, "-0.5"), (float("nan"), "nan")):
+        if source == "leaf":
+            doc = json.loads(path.read_text())
+            doc["user_data"]["f0003_33"]["x"][1][5] = bad
+            path.write_text(json.dumps(doc))  # json writes NaN as NaN, as Python's json reads it
+            where = f"{path} user 'f0003_33' ('x')"
+        else:
+            with h5py.File(path, "a") as f:
+                px = f["examples/f0003_33/pixels"][()]
+                px[1, 0, 5] = bad
+                f["examples/f0003_33/pixels"][...] = px
+            where = f"{path} client 'f0003_33' ('pixels')"
+        with pytest.raises(DataError) as e:
+            build_dataset(cfg_for(tmp_path, "femnist", "natural", 5), opts("femnist", store="memory"))
+        msg = str(e.value)
+        assert where in msg and shown in msg.lower() and "[0, 1]" in msg, msg
+        assert ("TalwalkarLab/leaf" if source == "leaf" else "tff-datasets-public/fed_emnist") in msg
+        if source == "leaf":
+            write_leaf_femnist(root)
+        else:
+            write_tff_femnist(root)
+    # rounding noise just outside [0, 1] is no sign of another scale: accepted
+    if source == "leaf":
+        _edit_json(path, lambda d: d["user_data"]["f0003_33"]["x"][1].__setitem__(5, 1.0 + 1e-9))
+        build_dataset(cfg_for(tmp_path, "femnist", "natural", 5), opts("femnist", store="memory"))
+
+
+@pytest.mark.parametrize("edit, problems", [
+    (lambda d: d["num_samples"].pop(), ["'num_samples' has 2 entries but 'users' has 3"]),
+    (lambda d: d["num_samples"].append(4), ["'num_samples' has 4 entries but 'users' has 3"]),
+    (lambda d: (d["users"].pop(1), d["num_samples"].pop(1)),  # was read without writer f0001_41
+     ["'user_data' holds user(s) 'f0001_41' not listed in 'users'"]),
+    (lambda d: d["user_data"].pop("f0001_41"), ["'users' lists user(s) 'f0001_41' with no 'user_data' entry"]),
+    (lambda d: (d["users"].__setitem__(1, "zz"), d["user_data"].__setitem__("yy", {"x": [], "y": []})),
+     ["'users' lists user(s) 'zz' with no 'user_data' entry", "'user_data' holds user(s) 'f0001_41', 'yy' not "
+      "listed in 'users'"]),
+    (lambda d: (d["users"].__setitem__(1, "f0000_14")), ["'users' lists user(s) 'f0000_14' more than once"]),
+])
+def test_leaf_users_num_samples_and_user_data_must_agree(tmp_path, edit, problems):
+    """LEAF writes users, num_samples and user_data in step: a user left out of one of them is refused,
+    not dropped (or counted twice) without a word."""
+    root = tmp_path / "femnist"
+    write_leaf_femnist(root)
+    train = root / "train" / "all_data_0_niid_0_keep_0_train_9.json"
+    _edit_json(train, edit)
+    with pytest.raises(DataError) as e:
+        build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory"))
+    msg = str(e.value)
+    assert str(train) in msg and "TalwalkarLab/leaf" in msg, msg
+    for problem in problems:
+        assert problem in msg, msg
+    # num_samples is optional (the reader accepts files without it): the other two must still agree
+    write_leaf_femnist(root)
+    _edit_json(train, lambda d: d.pop("num_samples"))
+    build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory"))
+
+
+@pytest.mark.parametrize("train_gz", [True, False])
+def test_idx_compression_is_told_by_content_not_name(tmp_path, train_gz):
+    """A browser may decompress a .gz download and keep the name, or a copy may lose the suffix."""
+    _, _, _, yt = make_mnist(tmp_path, gz_train=train_gz, gz_test=not train_gz)
+    raw = tmp_path / "MNIST" / "raw"
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        gz = raw / (stem + ".gz")
+        if gz.exists():  # plain IDX bytes under the .gz name
+            gz.write_bytes(gzip.decompress(gz.read_bytes()))
+        else:  # gzipped bytes under the plain name
+            (raw / stem).write_bytes(gzip.compress((raw / stem).read_bytes()))
+    for store in ("memory", "hdf5"):
+        data = build_dataset(cfg_for(tmp_path, "mnist", "iid", 3),
+                             opts("mnist", store=store, store_dir=str(tmp_path / "stores")))
+        check_exact_cover(data, list(range(120)), {i: label_of_id(i) for i in range(2000)})
+        xs, ys = data.test_slice(0, data.num_test())
+        assert ids_of(xs).tolist() == list(range(1000, 1030)) and ys.tolist() == yt.tolist()

@@ -8,7 +8,7 @@ cluster without internet knows what to fetch and where to put it.
 
 Formats:
 
-* IDX (MNIST, Fashion-MNIST, EMNIST), gzipped or plain: :func:`find_idx`, :func:`read_idx`.
+* IDX (MNIST, Fashion-MNIST, EMNIST), gzipped or plain (told by content): :func:`find_idx`, :func:`read_idx`.
 * CIFAR-10 / CIFAR-100 "python version" pickles: :func:`read_cifar10`, :func:`read_cifar100`.
   They are unpickled with an allow-list of globals (numpy array reconstruction
   only), so a tampered file cannot run code.
@@ -139,15 +139,24 @@ def find_idx(directory: str, stem: str, what: str, published: Published) -> str:
     )
 
 
-def _open_idx(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+def _idx_layout(path: str) -> str:
+    """'gzipped IDX' or 'IDX', told by the first two bytes (gzip's 1f 8b; IDX starts with 00 00), not by
+    the name: browsers often decompress a .gz download and keep its name, and a copy may lose the suffix.
+    (:func:`find_idx` still looks for both names.)"""
+    with open(path, "rb") as f:
+        return "gzipped IDX" if f.read(2) == b"\x1f\x8b" else "IDX"
+
+
+def _open_idx(path: str, layout: str):
+    return gzip.open(path, "rb") if layout == "gzipped IDX" else open(path, "rb")
 
 
 def read_idx_header(path: str, published: Published) -> Tuple[Tuple[int, ...], np.dtype]:
     """(dims, dtype) from an IDX header alone: sizes a dataset without reading its pixels."""
-    layout = "gzipped IDX" if path.endswith(".gz") else "IDX"
+    layout = "IDX"
     try:
-        with _open_idx(path) as f:
+        layout = _idx_layout(path)
+        with _open_idx(path, layout) as f:
             head = f.read(4)
             if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] not in _IDX_DTYPES:
                 raise malformed(path, f"bad magic number {head.hex() or '(empty file)'}, expected "
@@ -161,15 +170,17 @@ def read_idx_header(path: str, published: Published) -> Tuple[Tuple[int, ...], n
 
 
 def read_idx(path: str, published: Published) -> np.ndarray:
-    """Read one IDX file (``.gz`` decompressed on the fly) into a native-endian array.
+    """Read one IDX file (gzipped ones decompressed on the fly, whatever their name) into a
+    native-endian array.
 
     The magic number (two zero bytes, a type code, the number of dimensions) and the
     payload length are checked, so a truncated download or an HTML error page saved
     under the right name is reported instead of silently producing garbage.
     """
-    layout = "gzipped IDX" if path.endswith(".gz") else "IDX"
+    layout = "IDX"
     try:
-        with _open_idx(path) as f:
+        layout = _idx_layout(path)
+        with _open_idx(path, layout) as f:
             data = f.read()
     except (OSError, EOFError, zlib.error) as e:
         raise malformed(path, f"cannot be read ({e})", layout, published)
@@ -442,7 +453,8 @@ def decode_strings(values: np.ndarray, where: str = "", published: Optional[Publ
 def leaf_json_files(root: str, split: str, published: Published) -> List[str]:
     """The ``*.json`` files of ``<root>/<split>/`` in name order (LEAF writes several per split)."""
     folder = os.path.join(root, split)
-    files = sorted(glob.glob(os.path.join(folder, "*.json")))
+    # the folder is a path, not a pattern: .../exp[1]/femnist would otherwise match only .../exp1/femnist
+    files = sorted(glob.glob(os.path.join(glob.escape(folder), "*.json")))
     if not files:
         raise missing(
             f"{published.title} {split} split", os.path.join(folder, "*.json"),
@@ -452,14 +464,49 @@ def leaf_json_files(root: str, split: str, published: Published) -> List[str]:
     return files
 
 
+def _named(users: List, most: int = 3) -> str:
+    """The first few users, quoted, and how many more."""
+    shown = ", ".join(repr(u) for u in users[:most])
+    return shown + (f" and {len(users) - most} more" if len(users) > most else "")
+
+
+def _check_leaf_users(path: str, users: list, user_data: dict, counts: Optional[list],
+                      published: Published) -> None:
+    """LEAF writes ``users``, ``num_samples`` and ``user_data`` in step, one entry per user each; a file
+    where they disagree is refused, where reading it would drop the users ``users`` leaves out, pair
+    counts with the wrong users, or read a repeated user twice. ``num_samples`` may be absent (it
+    only restates the lengths of ``y``)."""
+    problems = []
+    if counts is not None and len(counts) != len(users):
+        problems.append(f"'num_samples' has {len(counts)} entries but 'users' has {len(users)}")
+    listed, repeated, absent = set(), [], []
+    for user in users:  # a user that is not a string (JSON keys are) has no entry either
+        if not isinstance(user, str) or user not in user_data:
+            absent.append(user)
+        elif user in listed:
+            repeated.append(user)
+        else:
+            listed.add(user)
+    unlisted = [u for u in user_data if u not in listed]
+    if absent:
+        problems.append(f"'users' lists user(s) {_named(absent)} with no 'user_data' entry")
+    if unlisted:
+        problems.append(f"'user_data' holds user(s) {_named(unlisted)} not listed in 'users'")
+    if repeated:
+        problems.append(f"'users' lists user(s) {_named(list(dict.fromkeys(repeated)))} more than once")
+    if problems:
+        raise malformed(path, "; ".join(problems) + " (LEAF writes one 'users' entry, one 'num_samples' count "
+                        "and one 'user_data' entry per user)", "LEAF JSON", published)
+
+
 def iter_leaf_users(root: str, split: str, published: Published,
                     with_path: bool = False) -> Iterator[Tuple[str, list, list]]:
     """Yield ``(user, x, y)`` for every user of every json file of a LEAF split
     (``(user, x, y, path)`` with ``with_path``, so that callers checking the values can name the file).
 
     Files are parsed one at a time, so peak memory is one file's worth of Python lists. The
-    structure is checked here (users a list, user_data a mapping, x and y lists of one length);
-    what the values must be is the dataset's business.
+    structure is checked here (users a list, user_data a mapping, the two and num_samples one entry
+    per user each, x and y lists of one length); what the values must be is the dataset's business.
     """
     layout = "LEAF JSON"
     for path in leaf_json_files(root, split, published):
@@ -477,10 +524,12 @@ def iter_leaf_users(root: str, split: str, published: Published,
             if not isinstance(value, want):
                 kind = "a mapping {user: {x, y}}" if want is dict else "a list"
                 raise malformed(path, f"'{key}' must be {kind}, got {type(value).__name__}", layout, published)
+        _check_leaf_users(path, users, user_data, counts, published)
         for i, user in enumerate(users):
-            data = user_data.get(user) if isinstance(user, str) else None
+            data = user_data[user]
             if not isinstance(data, dict) or "x" not in data or "y" not in data:
-                raise malformed(path, f"user {user!r} has no user_data entry with 'x' and 'y'", layout, published)
+                raise malformed(path, f"user {user!r}: its user_data entry is not a mapping with 'x' and 'y'",
+                                layout, published)
             x, y = data["x"], data["y"]
             for field, value in (("x", x), ("y", y)):
                 if not isinstance(value, list):
@@ -488,7 +537,7 @@ def iter_leaf_users(root: str, split: str, published: Published,
                                     f"{type(value).__name__}", layout, published)
             if len(x) != len(y):
                 raise malformed(path, f"user {user!r} has {len(x)} inputs but {len(y)} targets", layout, published)
-            if counts is not None and i < len(counts) and counts[i] != len(y):
+            if counts is not None and counts[i] != len(y):
                 raise malformed(path, f"num_samples says user {user!r} has {counts[i]} samples, user_data "
                                 f"holds {len(y)}", layout, published)
             yield (str(user), x, y, path) if with_path else (str(user), x, y)

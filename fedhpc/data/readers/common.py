@@ -254,8 +254,27 @@ def char_sequences(ids: np.ndarray, seq_len: int) -> Tuple[np.ndarray, np.ndarra
     return x.copy(), y.copy()
 
 
-def pixels_to_uint8(pixels: np.ndarray, invert: bool) -> np.ndarray:
+#: how far outside [0, 1] a float pixel may lie (rounding of greyscale / 255) before the file is refused
+PIXEL_TOLERANCE = 1e-6
+
+
+def pixels_to_uint8(pixels: np.ndarray, invert: bool, where: str, published: Published) -> np.ndarray:
+    """FEMNIST's float pixels (LEAF writes greyscale / 255, 1.0 = white; TFF's files derive from LEAF's)
+    as uint8 0..255, inverted first with ``invert``.
+
+    Values outside [0, 1] are refused, naming ``where``: clipping a 0..255 re-export (or another
+    dataset's file) into [0, 1] would silently turn every image into black and white.
+    """
     p = np.asarray(pixels, dtype=np.float32)
+    if p.size:
+        lo, hi = float(p.min()), float(p.max())  # NaN propagates, and fails both comparisons
+        if not (lo >= -PIXEL_TOLERANCE and hi <= 1.0 + PIXEL_TOLERANCE):
+            got = "NaN values" if math.isnan(lo) or math.isnan(hi) else f"values in [{lo:g}, {hi:g}]"
+            raise DataError(
+                f"{where} has pixel {got}; the pixels must be LEAF's greyscale floats in [0, 1] (value / 255, "
+                f"1.0 = white), so the file is not in the published layout (a 0..255 re-export, or another "
+                f"dataset's file): replace it with the published one ({published.where()})"
+            )
     if invert:
         p = 1.0 - p
     return np.clip(np.rint(p * 255.0), 0, 255).astype(np.uint8)

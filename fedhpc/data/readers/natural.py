@@ -96,7 +96,7 @@ class FemnistTFF(TFFNaturalReader):
         if p.ndim != 3 or p.shape[1:] != (28, 28):
             raise _shape_error(where, "pixels of shape (n, 28, 28)", p.shape, self.tff_published)
         check_labels(y, self.num_classes, where, self.tff_published)
-        return pixels_to_uint8(p, self.opts.invert)[:, None], y
+        return pixels_to_uint8(p, self.opts.invert, f"{where} ('pixels')", self.tff_published)[:, None], y
 
     def transform(self):
         return image_transform(self.opts, EMNIST_STATS)
@@ -187,7 +187,8 @@ class FemnistLEAF(CachedNaturalReader):
             if yy.ndim != 1:
                 raise _shape_error(f"{where} ('y')", "a list of integer labels", f"shape {yy.shape}", LEAF_FEMNIST)
             check_labels(yy, self.num_classes, where, LEAF_FEMNIST)
-            users.setdefault(user, []).append((pixels_to_uint8(px, self.opts.invert).reshape(-1, 1, 28, 28), yy))
+            img = pixels_to_uint8(px, self.opts.invert, f"{where} ('x')", LEAF_FEMNIST).reshape(-1, 1, 28, 28)
+            users.setdefault(user, []).append((img, yy))
         return {u: (np.concatenate([a for a, _ in v]), np.concatenate([b for _, b in v]))
                 for u, v in sorted(users.items())}
 
@@ -266,24 +267,27 @@ class ShakespeareReader(CachedNaturalReader):
 
     def source_files(self) -> List[str]:
         if self.source == "tff":
-            return [self._tff_path("train"), self._tff_path("test")]
+            # checked here, as leaf_json_files checks the LEAF ones: a store fingerprints (stats) these
+            # paths before anything opens them, so a missing one would be a bare FileNotFoundError
+            return [self._tff_file("train").path, self._tff_file("test").path]
         return leaf_json_files(self.root, "train", LEAF_SHAKESPEARE) + leaf_json_files(self.root, "test", LEAF_SHAKESPEARE)
 
     def test_files(self) -> List[str]:
         if self.source == "tff":
-            return [self._tff_path("test")]
+            return [self._tff_file("test").path]
         return leaf_json_files(self.root, "test", LEAF_SHAKESPEARE)
 
-    def _tff_path(self, split):
-        return os.path.join(self.root, f"shakespeare_{split}.h5")
+    def _tff_file(self, split) -> TFFClientFile:
+        """The split's TFF file, not opened yet; a missing one raises the DataError naming path and layout."""
+        return TFFClientFile(os.path.join(self.root, f"shakespeare_{split}.h5"), ("snippets",), TFF_SHAKESPEARE,
+                             f"TFF Shakespeare {split} file")
 
     def writer_labels(self, y):
         return y[:, -1]  # synthetic partitions see the character that follows each sequence
 
     def _tff_split(self, split) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
         out = {}
-        with TFFClientFile(self._tff_path(split), ("snippets",), TFF_SHAKESPEARE,
-                           f"TFF Shakespeare {split} file") as f:
+        with self._tff_file(split) as f:
             for cid in f.client_ids():
                 text = "\n".join(decode_strings(f.read_client(cid)["snippets"],
                                                 f"{f.path} client {cid!r} ('snippets')", TFF_SHAKESPEARE))
