@@ -174,7 +174,7 @@ def _read(directory: str) -> Dict[str, Any]:
     return body
 
 
-def _canonical(identity: Dict[str, Any], auto_means: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+def canonical_identity(identity: Dict[str, Any], auto_means: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """``identity`` as today's code reads it, so that settings spelled differently but meaning
     the same run compare equal:
 
@@ -240,7 +240,7 @@ def _canonical(identity: Dict[str, Any], auto_means: Optional[Dict[str, str]] = 
 
 def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, Any],
                     auto_means: Optional[Dict[str, str]] = None) -> None:
-    saved, now = _canonical(body.get("identity") or {}, auto_means), _canonical(identity, auto_means)
+    saved, now = canonical_identity(body.get("identity") or {}, auto_means), canonical_identity(identity, auto_means)
     if saved != now:
         diffs = []
         for k in sorted(set(saved) | set(now)):
@@ -340,7 +340,7 @@ def load_latest_intact(
     checkpoint is damaged, or when the first intact one was written with other settings
     (``identity`` differs): that is refused, never skipped, since it means --out holds
     another run. ``auto_means``: what a setting left at 'auto' stands for in this run
-    (see :func:`_canonical`).
+    (see :func:`canonical_identity`).
 
     With a multi-rank ``world`` every rank must call it: only rank 0 warns, and the ranks
     compare their verdicts (one object all-gather) so that they either all resume from the
