@@ -350,3 +350,33 @@ def test_a_target_reached_in_a_record_without_a_readable_round_is_named_not_move
     out = tmp_path / "rep"
     assert report_main([str(tmp_path / "runs"), "--out", str(out), "--target", str(first_accuracy - 1e-9)]) == 0
     assert "1 unreadable" in (out / "report.md").read_text()
+
+
+def test_runs_spelling_one_setting_differently_are_one_group(sweep_dir, tmp_path):
+    """An option written as 1 in a YAML file and parsed as 1.0 from --mu, an option written out at
+    its default, an alias and a partition spelled another way: the same computation, one group of
+    two seeds (the engine would resume one as the other)."""
+    a, b = _copy_runs(sweep_dir, tmp_path / "runs", algo="fedprox")
+    for run, changes in ((a, {"algo_options": {"mu": 1.0}, "partition": "dirichlet:0.5"}),
+                         (b, {"algo": "FedProx", "algo_options": {"mu": 1}, "partition": "Dirichlet:.50"})):
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config.update(changes)
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "rep"
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [2]
+    # a default written out is no setting: {} and the default value are one group too, and a
+    # value that differs still makes its own group
+    from fedhpc.algorithms import ALGORITHMS
+    default_mu = ALGORITHMS.get("fedprox").Options().mu
+    for run, mu in ((a, default_mu), (b, None)):
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["algo_options"] = {} if mu is None else {"mu": mu}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [2]
+    config = yaml.safe_load((a / "config.yaml").read_text())
+    config["algo_options"] = {"mu": default_mu * 2 + 1}
+    (a / "config.yaml").write_text(yaml.safe_dump(config))
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [1, 1]

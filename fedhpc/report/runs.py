@@ -37,6 +37,28 @@ def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
+#: the settings that are mappings of a method's, dataset's, model's or channel's own options
+OPTION_MAPPINGS = ("algo_options", "data_options", "model_options", "channel_options")
+
+
+def meaning(config: Dict[str, Any]) -> Dict[str, Any]:
+    """``config`` with each setting spelled one way, so that runs computing the same thing fall in
+    one group: names as the registries spell them, the partition as it parses, and each option
+    mapping holding just the options that differ from their defaults, in their declared types
+    (``mu: 1`` in a YAML file and ``--mu 1`` are one run; so are ``{}`` and an option written out
+    at its default). The same reading a resume makes (:func:`fedhpc.checkpoint.canonical_identity`),
+    minus the defaults, so that the report's columns show what a run set, not every option."""
+    from ..checkpoint import canonical_identity
+
+    full = canonical_identity(config)
+    bare = canonical_identity({**config, **{k: {} for k in OPTION_MAPPINGS if isinstance(config.get(k), dict)}})
+    out = dict(full)
+    for k in OPTION_MAPPINGS:
+        if isinstance(full.get(k), dict) and isinstance(bare.get(k), dict):
+            out[k] = {o: v for o, v in full[k].items() if o not in bare[k] or bare[k][o] != v}
+    return out
+
+
 @dataclass
 class Run:
     path: str
@@ -54,8 +76,8 @@ class Run:
         return ref if isinstance(ref, dict) else {}
 
     def settings(self) -> Dict[str, Any]:
-        """The flattened configuration that decides the group."""
-        return flatten({k: v for k, v in (self.config or {}).items() if k not in RUN_LOCAL})
+        """The flattened configuration that decides the group, as :func:`meaning` reads it."""
+        return flatten(meaning({k: v for k, v in (self.config or {}).items() if k not in RUN_LOCAL}))
 
 
 @dataclass
