@@ -91,6 +91,9 @@ class RunConfig:
     #: what a paper reports for this setting (paper, table, row, metric, value): read by fedhpc.report
     reference: Dict[str, Any] = field(default_factory=dict)
 
+    # The --channel values (fedhpc/server/channel.py's Channel.MODES): "none" simulates no links.
+    CHANNELS = ("none", "symmetric", "asymmetric")
+
     # Fields that define *what* is computed: a checkpoint may only be resumed under the
     # same values. The others (rounds, cadence, threads, device, out...) may change.
     IDENTITY = (
@@ -120,6 +123,11 @@ class RunConfig:
         need(0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
         need(not self.nesterov or (self.optimizer == "sgd" and self.momentum > 0),
              f"--nesterov needs --optimizer sgd and --momentum > 0 (got {self.optimizer}, momentum {self.momentum})")
+        # torch's Adam takes no momentum (its betas play that part and are not settable here): the
+        # value would be silently ignored, and a run labelled with it would not be what it says.
+        need(self.optimizer != "adam" or self.momentum == 0,
+             f"--momentum {self.momentum} has no effect with --optimizer adam (Adam's own moment estimates, its "
+             f"betas, are not settable here); use --optimizer sgd for SGD with momentum, or leave --momentum at 0")
         need(self.weight_decay >= 0, f"--weight-decay must be non-negative, got {self.weight_decay}")
         need(self.grad_clip >= 0, f"--grad-clip must be non-negative (0 = off), got {self.grad_clip}")
         need(self.clients_at_once >= 1, f"--clients-at-once must be at least 1 (1 = one client after another), got {self.clients_at_once}")
@@ -144,8 +152,14 @@ class RunConfig:
         need(not self.save_client_models or bool(self.out),
              "--save-client-models needs --out DIR (the client models go to DIR/client_models)")
         need(not self.resume or bool(self.out), "--resume needs --out DIR (the folder holding the checkpoints)")
-        need(self.channel in ("none", "symmetric", "asymmetric"),
-             f"--channel must be none, symmetric or asymmetric, got {self.channel!r}")
+        need(self.channel in self.CHANNELS,
+             f"--channel must be {', '.join(self.CHANNELS[:-1])} or {self.CHANNELS[-1]}, got {self.channel!r}")
+        # with no channel model nothing reads them: a run would silently be the channel-free one
+        models = [c for c in self.CHANNELS if c != "none"]
+        need(self.channel != "none" or not self.channel_options,
+             f"channel option(s) {', '.join(map(str, self.channel_options))} are set but --channel is none, which "
+             f"simulates no links, so they would be ignored; they need a channel model: "
+             f"--channel {' or '.join(models)} (or remove the options)")
         need(not self.final_adapt or self.client_test_fraction > 0,
              "--final-adapt evaluates every trained client on its own test split, but --client-test-fraction is 0; "
              "set it > 0 (e.g. 0.2) or leave --final-adapt off")
@@ -205,9 +219,11 @@ def build_options(cls: Optional[Type], values: Dict[str, Any], what: str) -> Any
         return None
     hints = get_type_hints(cls)
     names = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - names)
+    unknown = sorted(set(values) - names, key=str)
     if unknown:
-        raise ConfigError(f"{what} has no option(s) {unknown}; valid: {sorted(names)}")
+        near = difflib.get_close_matches(str(unknown[0]), names, n=1) if len(unknown) == 1 else []
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"{what} has no option(s) {unknown}{hint}; valid: {sorted(names)}")
     opts = cls(**{k: _coerce(v, hints[k], f"{what} option {k!r}") for k, v in values.items()})
     if hasattr(opts, "validate"):
         opts.validate()
@@ -393,33 +409,67 @@ def launcher_rank() -> int:
     return 0
 
 
+#: Field metadata key of an algorithm option whose meaning is its method's own while other methods
+#: have an option of the same name (FedAvg's server_lr steps the averaged update; FLD's and the
+#: server trainers' is a learning rate): such an option is not carried over to or from another
+#: algorithm by ``--algo`` unless both read the very same field (one Options class, or inherited).
+METHOD_SPECIFIC = "method_specific"
+
+
+def _same_meaning(old_cls, new_cls, name: str) -> bool:
+    """Whether option ``name`` of both Options classes may take one value: the same field, or
+    neither marked :data:`METHOD_SPECIFIC`."""
+    old = next((f for f in fields(old_cls) if f.name == name), None) if old_cls is not None else None
+    new = next(f for f in fields(new_cls) if f.name == name)
+    if old is None or old is new:  # not an option of the file's algorithm (kept as written), or one definition
+        return True
+    return not (old.metadata.get(METHOD_SPECIFIC) or new.metadata.get(METHOD_SPECIFIC))
+
+
 def _options_for_replaced_algorithm(file_values: Dict[str, Any], flag_algo: Optional[str],
                                     algo_cls) -> Dict[str, Any]:
-    """A file's ``algo_options`` were written for the file's ``algo``. When ``--algo`` names
-    another one, the options it also has carry over (the pMixFed files' ``finetune_epochs``
-    serves every method of their table) and the others are dropped, not refused: a file's
-    settings cannot be removed from the command line. Both are said, once, on rank 0: an option
-    of the same name may mean another thing (FedProx's mu is not pMixFed's)."""
+    """A file's ``algo_options`` and ``reference`` were written for the file's ``algo``. When
+    ``--algo`` names another one, the options it also has carry over (the pMixFed files'
+    ``finetune_epochs`` serves every method of their table) unless the two mean different things
+    (:data:`METHOD_SPECIFIC`), and the others are dropped, not refused: a file's settings cannot
+    be removed from the command line. The reference (a paper's number for the file's algorithm)
+    is dropped, or the report would hold this run against another method's row. All is said,
+    once, on rank 0: an option of the same name may still mean another thing (FedProx's mu is
+    not pMixFed's)."""
     from .algorithms import ALGORITHMS
 
-    file_algo, opts = file_values.get("algo"), file_values.get("algo_options")
-    if (not flag_algo or not isinstance(file_algo, str) or file_algo not in ALGORITHMS or not isinstance(opts, dict)
-            or not opts or ALGORITHMS.canonical(file_algo) == ALGORITHMS.canonical(flag_algo)):
+    file_algo, opts, reference = (file_values.get(k) for k in ("algo", "algo_options", "reference"))
+    if (not flag_algo or not isinstance(file_algo, str) or file_algo not in ALGORITHMS
+            or ALGORITHMS.canonical(file_algo) == ALGORITHMS.canonical(flag_algo)):
         return file_values
-    names = option_names(algo_cls.Options)
-    kept = {k: v for k, v in opts.items() if k in names}
-    dropped = sorted(str(k) for k in opts if k not in names)
+    out = dict(file_values)
     new_name, old_name = ALGORITHMS.canonical(flag_algo), ALGORITHMS.canonical(file_algo)
     said = []
-    if kept:
-        said.append(f"{', '.join(f'{k}={v}' for k, v in kept.items())} carried over to {new_name} (an option of "
-                    f"the same name; {', '.join(_flag(k) for k in kept)} sets it)")
-    if dropped:
-        said.append(f"{', '.join(dropped)} dropped ({new_name} has no such option)")
-    if launcher_rank() == 0:
-        print(f"note: --algo {new_name} replaces the file's algo {old_name}; of its algo_options, "
-              f"{'; '.join(said)}", file=sys.stderr, flush=True)
-    return {**file_values, "algo_options": kept}
+    if isinstance(opts, dict) and opts:
+        names, old_cls = option_names(algo_cls.Options), ALGORITHMS.get(file_algo).Options
+        kept = {k: v for k, v in opts.items() if k in names and _same_meaning(old_cls, algo_cls.Options, k)}
+        other = {k: v for k, v in opts.items() if k in names and k not in kept}
+        dropped = sorted(str(k) for k in opts if k not in names)
+        parts = []
+        if kept:
+            parts.append(f"{', '.join(f'{k}={v}' for k, v in kept.items())} carried over to {new_name} (an option "
+                         f"of the same name; {', '.join(_flag(k) for k in kept)} sets it)")
+        if other:
+            parts.append(f"{', '.join(f'{k}={v}' for k, v in other.items())} not carried over ({new_name}'s option "
+                         f"of that name means another thing; its default applies; "
+                         f"{', '.join(_flag(k) for k in other)} sets it)")
+        if dropped:
+            parts.append(f"{', '.join(dropped)} dropped ({new_name} has no such option)")
+        said.append(f"of its algo_options, {'; '.join(parts)}")
+        out["algo_options"] = kept
+    if isinstance(reference, dict) and reference:  # not a mapping: parse_args refuses it below
+        row = next((str(reference[k]) for k in ("row", "table", "paper") if reference.get(k)), "")
+        said.append(f"its reference{f' ({row})' if row else ''} is {old_name}'s and is dropped")
+        out["reference"] = {}
+    if said and launcher_rank() == 0:
+        print(f"note: --algo {new_name} replaces the file's algo {old_name}; {'; '.join(said)}",
+              file=sys.stderr, flush=True)
+    return out
 
 
 def parse_args(argv: Optional[List[str]] = None):
@@ -428,6 +478,7 @@ def parse_args(argv: Optional[List[str]] = None):
     from .data import DATASETS, load_dataset_modules
     from .data.partition import check_partition
     from .models import MODELS, check_model_options, load_model_modules
+    from .server.channel import ChannelOptions
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
@@ -505,4 +556,6 @@ def parse_args(argv: Optional[List[str]] = None):
         check_model_options(cfg.model, cfg.model_options)
     algo_opts = build_options(algo_cls.Options, cfg.algo_options, f"algorithm {algo_name!r}")
     data_opts = build_options(data_spec.options, cfg.data_options, f"dataset {data_name!r}")
+    if cfg.channel != "none":  # the engine builds them again; checked here so a sweep's bad point stops before any runs
+        build_options(ChannelOptions, cfg.channel_options, f"channel {cfg.channel!r}")
     return cfg, algo_opts, data_opts

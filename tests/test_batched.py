@@ -302,7 +302,7 @@ def test_batched_fedmix_loss_equals_fedmix_loss_per_client():
 @pytest.mark.parametrize("kw,algo,match", [
     (dict(model="cnn", model_options={"width": 4, "hidden": 16, "dropout": 0.3}), "fedavg", "dropout"),
     (dict(model="cnn", model_options={"width": 4, "hidden": 16, "norm": "batch"}), "fedavg", "BatchNorm"),
-    (dict(optimizer="adam"), "fedavg", "sgd only"),
+    (dict(optimizer="adam", momentum=0.0), "fedavg", "sgd only"),
     ({}, "globalmix", "not declared batchable"),
     ({}, "ditto", "not declared batchable"),
     ({}, "fd", "not declared batchable"),

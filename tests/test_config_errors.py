@@ -336,3 +336,108 @@ def test_algo_flag_replacing_the_files_algorithm_carries_only_the_options_it_has
     capsys.readouterr()
     cfg, ao, _ = parse_args(["--config", FEDPROX_FILE, "--algo", "FedProx"])
     assert ao.mu == 0.01 and capsys.readouterr().err == ""
+
+
+PMIXFED_TABLE_FILE = os.path.join(REPO, "launch", "pmixfed_cifar10_cnn_n10_c100.yaml")
+MIX2FLD_FILE = os.path.join(REPO, "launch", "mix2fld_digits.yaml")
+MIX2FLD_FL_FILE = os.path.join(REPO, "launch", "mix2fld_digits_fl.yaml")
+
+
+def test_algo_flag_replacing_the_files_algorithm_drops_its_reference(tmp_path, capsys):
+    """A file's reference is its own algorithm's paper number: under another --algo the report
+    would show that run against it, labelled as the file's row. It is dropped, and said."""
+    cfg, _, _ = parse_args(["--config", PMIXFED_TABLE_FILE])
+    assert cfg.reference["row"] == "pMixFed, CIFAR-10, CNN, N=10, C=100%"
+    cfg, _, _ = parse_args(["--config", PMIXFED_TABLE_FILE, "--algo", "fedavg"])
+    assert cfg.algo == "fedavg" and cfg.reference == {}
+    err = capsys.readouterr().err
+    assert "--algo fedavg replaces the file's algo pmixfed" in err
+    assert "its reference (pMixFed, CIFAR-10, CNN, N=10, C=100%) is pmixfed's and is dropped" in err
+    # a file without algo_options says so too
+    path = write(tmp_path, "ref.yaml", "algo: fedprox\nreference: {paper: P, row: FedProx row, value: 1.0}\n")
+    cfg, _, _ = parse_args(["--config", path, "--algo", "fedavg"])
+    assert cfg.reference == {}
+    assert "its reference (FedProx row) is fedprox's and is dropped" in capsys.readouterr().err
+    # the file's own algorithm under another spelling or an alias is no replacement: kept, nothing said
+    for argv in (["--config", PMIXFED_TABLE_FILE, "--algo", "PMixFed"],
+                 ["--config", MIX2FLD_FL_FILE, "--algo", "fedavg"],
+                 ["--config", MIX2FLD_FL_FILE, "--algo", "FedAvg"],
+                 ["--config", path, "--algo", "fedprox"]):
+        cfg, _, _ = parse_args(argv)
+        assert cfg.reference and capsys.readouterr().err == "", argv
+
+
+def test_algo_flag_does_not_carry_over_an_option_that_means_another_thing(capsys):
+    """Mix2FLD's server_lr is its server trainer's learning rate; FedAvg's is the step on the
+    averaged update (1.0 = plain FedAvg): --algo fl on the Mix2FLD file must not step by 0.05."""
+    from fedhpc.algorithms.fedavg import FedAvgOptions
+
+    cfg, ao, _ = parse_args(["--config", MIX2FLD_FILE, "--algo", "fl"])
+    assert cfg.algo == "fedavg" and cfg.algo_options == {} and ao.server_lr == FedAvgOptions().server_lr == 1.0
+    err = capsys.readouterr().err
+    assert "server_lr=0.05 not carried over (fedavg's option of that name means another thing" in err
+    assert "its default applies; --server-lr sets it" in err
+    assert "seeds_per_device" in err and "dropped (fedavg has no such option)" in err
+    # set on the command line, it is the user's
+    _, ao, _ = parse_args(["--config", MIX2FLD_FILE, "--algo", "fl", "--server-lr", "0.5"])
+    assert ao.server_lr == 0.5
+    # the same option of the same method family still carries over
+    cfg, ao, _ = parse_args(["--config", MIX2FLD_FILE, "--algo", "fld"])
+    assert ao.server_lr == 0.05 and ao.seeds_per_device == 50
+    assert "server_lr=0.05" in capsys.readouterr().err.split("carried over")[0]
+
+
+# --------------------------------------------------------------------------- channel options at parse time
+
+@pytest.mark.parametrize("argv,words", [
+    (["--channel", "asymmetric", "--channel-opt", "p_up_dbmm=30"],
+     "channel 'asymmetric' has no option(s) ['p_up_dbmm'] (did you mean 'p_up_dbm'?)"),
+    (["--channel", "symmetric", "--channel-opt", "t_max_s=0"], "channel option t_max_s must be a positive number"),
+    (["--channel", "symmetric", "--channel-opt", "theta_unit=dB"], "theta_unit must be 'linear' or 'db'"),
+])
+def test_channel_options_are_checked_when_parsed_not_when_the_run_starts(monkeypatch, argv, words):
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was built before the channel options were checked")
+
+    monkeypatch.setattr("fedhpc.engine.Engine.__init__", no_engine)
+    with pytest.raises(ConfigError) as e:
+        parse_args(TINY + argv)
+    assert words in str(e.value)
+
+
+def test_channel_options_in_yaml_and_sweep_points_are_checked_up_front(tmp_path, capsys):
+    path = write(tmp_path, "c.yaml", "channel: asymmetric\nchannel_options: {p_up_dbmm: 30}\n")
+    with pytest.raises(ConfigError, match=r"has no option\(s\) \['p_up_dbmm'\] \(did you mean 'p_up_dbm'\?\)"):
+        parse_args(["--config", path])
+    grid = write(tmp_path, "g.yaml", yaml.safe_dump({
+        "base": {**GRID_BASE, "channel": "asymmetric"},
+        "axes": {"channel_options.p_up_dbmm": [None, 30]}, "out": str(tmp_path / "sweep")}))
+    assert sweep_main([grid, "--local", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "1 of 2 point(s) fail validation" in err and "p_up_dbmm" in err
+    assert not (tmp_path / "sweep").exists()
+    # valid options pass, with a channel model
+    cfg, _, _ = parse_args(TINY + ["--channel", "asymmetric", "--channel-opt", "p_up_dbm=30"])
+    assert cfg.channel_options == {"p_up_dbm": 30}
+
+
+@pytest.mark.parametrize("argv", [["--channel-opt", "p_up_dbm=30"],
+                                  ["--channel", "none", "--channel-opt", "t_max_s=0.2"]])
+def test_channel_options_without_a_channel_model_are_refused_not_ignored(argv):
+    with pytest.raises(ConfigError) as e:
+        parse_args(TINY + argv)
+    msg = str(e.value)
+    name = argv[-1].split("=")[0]
+    assert f"channel option(s) {name} are set but --channel is none" in msg
+    assert "--channel symmetric or asymmetric" in msg
+
+
+# --------------------------------------------------------------------------- momentum with Adam
+
+def test_momentum_with_adam_is_refused_naming_the_fix():
+    with pytest.raises(ConfigError) as e:
+        parse_args(TINY + ["--optimizer", "adam", "--momentum", "0.9"])
+    msg = str(e.value)
+    assert "--momentum 0.9 has no effect with --optimizer adam" in msg and "--optimizer sgd" in msg
+    parse_args(TINY + ["--optimizer", "adam", "--momentum", "0"])
+    parse_args(TINY + ["--optimizer", "sgd", "--momentum", "0.9"])

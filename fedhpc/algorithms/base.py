@@ -186,7 +186,10 @@ class Algorithm:
     """FedAvg's behaviour; subclasses override hooks. See the module docstring."""
 
     name = "base"
-    #: dataclass of the algorithm's own options (flags / algo_options), or None
+    #: dataclass of the algorithm's own options (flags / algo_options), or None. A field whose
+    #: meaning is this method's own although other methods have an option of that name takes
+    #: ``metadata={"method_specific": True}``: ``--algo`` replacing a file's algorithm then never
+    #: carries its value over (fedhpc.config.METHOD_SPECIFIC; FedAvg's server_lr)
     Options: Optional[type] = None
     #: kinds of traffic this algorithm reports in the communication ledger
     ledger_kinds: Tuple[str, ...] = ("parameters",)

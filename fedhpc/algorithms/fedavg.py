@@ -22,10 +22,12 @@ from .base import Algorithm
 
 @dataclass
 class FedAvgOptions:
+    # method_specific: other methods' server_lr / server_momentum belong to a server trainer
+    # (FLD, MixFL), so --algo fedavg over their files must not step by their learning rate
     server_lr: float = field(default=1.0, metadata={
-        "help": "server step size on the averaged update (1.0 = plain FedAvg)"})
+        "help": "server step size on the averaged update (1.0 = plain FedAvg)", "method_specific": True})
     server_momentum: float = field(default=0.0, metadata={
-        "help": "server momentum on the averaged update (FedAvgM; 0 = off)"})
+        "help": "server momentum on the averaged update (FedAvgM; 0 = off)", "method_specific": True})
     finetune_epochs: int = field(default=0, metadata={
         "help": "epochs a client fine-tunes the final global model, all layers, before --final-adapt and "
                 "--cold-start-fraction evaluate it (pMixFed App. 10.1: r = 4; 0 = the global model as it is)"})
