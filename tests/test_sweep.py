@@ -342,3 +342,196 @@ def test_more_rounds_for_a_pmixfed_sweep_start_a_new_run_instead_of_failing_to_r
     assert launch_main(["--config", str(f3), "--out", str(run3), "--resume"]) == 0
     assert run_state(str(run3), 3).status == "finished"
     assert run_state(str(tmp_path / "sweep" / "runs" / p2.id), 2).status == "finished"  # the old run is left as it was
+
+
+# --------------------------------------------------------------------------- --data-dir
+
+def test_data_dir_flag_sets_every_point_and_keeps_the_ids(tmp_path, capsys):
+    """The mnist grids said "(--data-dir needed)" but the sweep refused --data-dir, and --dry-run
+    approved points that each then failed on the nodes ("dataset 'mnist' reads its files from
+    --data-dir"). Now the flag sets every point's data_dir, which is no identity setting: same ids."""
+    data = tmp_path / "data"
+    data.mkdir()
+    path = write_grid(tmp_path, {"base": {**TINY, "dataset": "mnist"}, "axes": {"seed": [0, 1]}})
+    assert sweep_main([path, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "2 of 2 point(s) fail validation" in err and "points 0-1 (seed-0, ...): dataset 'mnist' reads its files " \
+        "from --data-dir, and none is given: pass --data-dir DIR to python -m fedhpc.sweep, or set data_dir: DIR " \
+        "in the grid's base" in err
+    assert not (tmp_path / "sweep").exists()
+
+    ids = [p.id for p in expand(load_grid(path), validate=False)]
+    assert sweep_main([path, "--no-submit", "--data-dir", str(data)]) == 0
+    assert "2 not started" in capsys.readouterr().out
+    for i in ids:
+        written = yaml.safe_load((tmp_path / "sweep" / "points" / f"{i}.yaml").read_text())
+        assert written["data_dir"] == str(data) and written["dataset"] == "mnist"
+    assert [q["id"] for q in json.loads((tmp_path / "sweep" / "sweep.json").read_text())["points"]] == ids
+    assert ids == [p.id for p in expand(load_grid(path), validate=False)]
+    # the flag wins over the grid's own data_dir; a relative one is made absolute (the points may run elsewhere)
+    grid = load_grid(write_grid(tmp_path, {"base": {**TINY, "dataset": "mnist", "data_dir": "/elsewhere"},
+                                           "axes": {"seed": [0, 1]}}, "g2.yaml"))
+    grid.data_dir = str(data)
+    assert [(p.id, p.settings["data_dir"]) for p in expand(grid)] == [(i, str(data)) for i in ids]
+
+
+def test_only_points_reading_files_need_a_data_dir(tmp_path):
+    """What needs --data-dir is what the readers say (their StoreOptions: a ``dir`` option replaces
+    --data-dir), not a list of names: digits and synthetic read no files."""
+    path = write_grid(tmp_path, {"base": TINY, "zip": [{
+        "dataset": ["digits", "mnist", "synthetic", "fmnist", "mnist", "cifar10"],
+        "data_options.dir": [None, None, None, None, str(tmp_path), None]}]})
+    with pytest.raises(ConfigError) as e:
+        expand(load_grid(path))
+    msg = str(e.value)
+    assert "3 of 6 point(s) fail validation" in msg
+    assert "  point 1 (dataset-mnist): dataset 'mnist' reads its files from --data-dir" in msg
+    assert "  point 3 (dataset-fmnist): dataset 'fmnist'" in msg and "  point 5 (dataset-cifar10): dataset 'cifar10'" in msg
+    assert "point 0" not in msg and "point 2" not in msg and "point 4" not in msg
+    # the sweep's own refusals are said beside the launcher's, all at once
+    path = write_grid(tmp_path, {"base": TINY, "zip": [{"dataset": ["mnist", "digits"], "lr": [0.1, -1.0]}]}, "g2.yaml")
+    with pytest.raises(ConfigError) as e:
+        expand(load_grid(path))
+    assert "2 of 2 point(s)" in str(e.value) and "point 0 (dataset-mnist_lr-0.1): dataset 'mnist'" in str(e.value)
+    assert "point 1 (dataset-digits_lr--1.0): --lr must be a positive number" in str(e.value)
+
+
+def test_the_mnist_sweeps_take_data_dir(tmp_path, capsys):
+    for name, n in (("mix2fld_fig2_mnist", 48), ("mix2fld_seeds_mnist", 96)):
+        grid = f"sweeps/{name}.yaml"
+        assert sweep_main([grid, "--dry-run", "--out", str(tmp_path / name)]) == 2
+        assert f"points 0-{n - 1} (" in capsys.readouterr().err
+        assert sweep_main([grid, "--dry-run", "--out", str(tmp_path / name), "--data-dir", str(tmp_path)]) == 0
+        assert f"{n} point(s) ({n} not started)" in capsys.readouterr().out
+        assert not (tmp_path / name).exists()
+
+
+# --------------------------------------------------------------------------- a folder holding another run
+
+def test_a_point_whose_folder_holds_a_run_with_other_settings_is_refused(tmp_path, capsys):
+    """The audit's repro: a grid ran with momentum 0.5; the same grid plus nesterov: true has the same
+    ids (nesterov is not hashed, so that ids on disk stay valid), and every point was "finished -> skip",
+    its config.yaml still saying nesterov: false. Such a point is now refused, before anything runs."""
+    torch.set_num_threads(1)
+    base = {**TINY, "momentum": 0.5}
+    path = write_grid(tmp_path, {"base": base, "axes": {"seed": [0, 1, 2]}})
+    grid = load_grid(path)
+    p0, p1, p2 = expand(grid)
+    runs = tmp_path / "sweep" / "runs"
+    f = tmp_path / "p0.yaml"
+    f.write_text(point_yaml(grid, p0))
+    _run_in_process(str(f), str(runs / p0.id))
+    # point 1 was started by hand and stopped early: its folder holds only config.yaml (point 2: nothing)
+    (runs / p1.id).mkdir()
+    (runs / p1.id / "config.yaml").write_text((runs / p0.id / "config.yaml").read_text().replace("seed: 0", "seed: 1"))
+    config0 = (runs / p0.id / "config.yaml").read_text()
+    assert sweep_main([path, "--local", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"{p0.id}: finished (round 3/3) -> skip" in out and f"{p2.id}: not started -> run" in out
+
+    nesterov = write_grid(tmp_path, {"base": {**base, "nesterov": True}, "axes": {"seed": [0, 1, 2]}}, "n.yaml")
+    assert [p.id for p in expand(load_grid(nesterov))] == [p0.id, p1.id, p2.id]  # ids as before
+    for argv in ([nesterov, "--local"], [nesterov, "--no-submit"], [nesterov, "--dry-run"]):
+        assert sweep_main(argv) == 2
+        err = capsys.readouterr().err
+        assert "2 point(s) would skip or resume a run made with other settings" in err and "nothing was run" in err
+        for p in (p0, p1):
+            assert err.count(p.id) == 1
+            assert f"point {p.index} ({p.label}), {runs / p.id}: nesterov: the run has False, this point True" in err
+        assert "point 2" not in err
+        assert "restore the setting(s) in the grid" in err and "--out DIR, or a new name: in the grid" in err
+    assert (runs / p0.id / "config.yaml").read_text() == config0
+    assert not (tmp_path / "sweep" / "points").exists() and not (tmp_path / "sweep" / "slurm").exists()
+    # ... written to another folder it runs
+    assert sweep_main([nesterov, "--local", "--dry-run", "--out", str(tmp_path / "other")]) == 0
+    assert "3 not started" in capsys.readouterr().out
+
+    # Settings that may change between a run and its resumption still resume it: more rounds,
+    # eval cadence, threads, checkpoint cadence, the data folder.
+    more = write_grid(tmp_path, {"base": {**base, "rounds": 5, "eval_every": 2, "threads": 2, "checkpoint_every": 2,
+                                          "data_dir": str(tmp_path)}, "axes": {"seed": [0, 1, 2]}}, "m.yaml")
+    assert [p.id for p in expand(load_grid(more))] == [p0.id, p1.id, p2.id]
+    assert sweep_main([more, "--local", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"{p0.id}: interrupted (round 3/5) -> resume" in out and out.count("would run: ") == 3
+
+
+def test_saved_configs_compare_by_meaning_not_by_spelling(tmp_path, capsys):
+    """config.yaml is read as a checkpoint's identity is: a field an older version did not write is
+    its default (nesterov was added after runs existed), and settings the id holds are not compared
+    again (the engine may resolve them: full participation under --cold-start-fraction)."""
+    from fedhpc.config import RunConfig
+    path = write_grid(tmp_path, {"base": {**TINY, "momentum": 0.5}, "axes": {"seed": [0, 1]}})
+    p0, p1 = expand(load_grid(path))
+    runs = tmp_path / "sweep" / "runs"
+    for p in (p0, p1):
+        saved = p.config.to_dict()
+        del saved["nesterov"]  # written before the option existed
+        if p is p1:
+            saved["clients_per_round"] = 3   # resolved by the engine; the id holds the grid's value
+            saved["algo"] = "FL"             # an older launcher kept names as typed
+        (runs / p.id).mkdir(parents=True)
+        (runs / p.id / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert sweep_main([path, "--local", "--dry-run"]) == 0
+    assert "2 not started" in capsys.readouterr().out  # config.yaml alone: nothing ran yet
+    nesterov = write_grid(tmp_path, {"base": {**TINY, "momentum": 0.5, "nesterov": True},
+                                     "axes": {"seed": [0, 1]}}, "n.yaml")
+    assert sweep_main([nesterov, "--local", "--dry-run"]) == 2
+    assert "2 point(s) would skip or resume" in capsys.readouterr().err
+    assert RunConfig.nesterov is False
+    # a config.yaml that cannot be read: its run cannot be told, so the point waits for a person
+    (runs / p1.id / "config.yaml").write_text("algo: [fedavg\n")
+    assert sweep_main([path, "--local", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"{p1.id}: damaged ({runs / p1.id / 'config.yaml'} cannot be read as YAML" in out
+    assert out.count("would run: ") == 1
+
+
+# --------------------------------------------------------------------------- references
+
+REF_FEDAVG = {"paper": "P", "table": "T1", "row": "FedAvg, digits", "metric": "test_accuracy", "value": 90.0,
+              "note": "the file's"}
+REF_PROX = {"paper": "P", "table": "T1", "row": "FedProx, digits", "metric": "test_accuracy", "value": 91.0}
+
+
+def test_a_point_of_another_algorithm_drops_the_reference_of_its_config_file(tmp_path):
+    """A launch file's reference is the paper's row for the file's algorithm: a grid whose algo axis
+    ran that file as fedprox labelled the fedprox point with FedAvg's row and number."""
+    launch = tmp_path / "l.yaml"
+    launch.write_text(yaml.safe_dump({**TINY, "algo": "fedavg", "reference": REF_FEDAVG}))
+    path = write_grid(tmp_path, {"config": str(launch), "zip": [{"algo": ["fedavg", "fl", "FedAvg", "fedprox"],
+                                                                 "seed": [0, 1, 2, 3]}]})
+    grid = load_grid(path)
+    fedavg, fl, spelled, fedprox = expand(grid)
+    for p in (fedavg, fl, spelled):  # an alias or another spelling is the same algorithm: its row stays
+        assert p.settings["reference"] == REF_FEDAVG
+    assert "reference" not in fedprox.settings and "reference" not in yaml.safe_load(point_yaml(grid, fedprox))
+    # the ids are those the points had with the reference (it is no identity setting)
+    assert fedprox.id == f"{fedprox.label}-{run_hash({**fedprox.settings, 'reference': REF_FEDAVG})}"
+
+    # a reference set by the point's own zip values is kept, alone (not mixed with the file's row)
+    path = write_grid(tmp_path, {"config": str(launch), "zip": [{"algo": ["fedavg", "fedprox", "fedmix"],
+                                                                 "reference": [{}, REF_PROX, {"value": 1.0}]}]}, "g2.yaml")
+    fedavg, fedprox, fedmix = expand(load_grid(path))
+    assert fedavg.settings["reference"] == REF_FEDAVG
+    assert fedprox.settings["reference"] == REF_PROX and fedmix.settings["reference"] == {"value": 1.0}
+
+    # the base's reference is the row of the algorithm in effect after the base; each row stays
+    # with its own algorithm (the file's "note" does not leak into FedProx's row)
+    path = write_grid(tmp_path, {"config": str(launch), "base": {"algo": "fedprox", "reference": REF_PROX},
+                                 "axes": {"algo": ["fedprox", "fedavg", "fedmix"]}}, "g3.yaml")
+    fedprox, fedavg, fedmix = expand(load_grid(path))
+    assert fedprox.settings["reference"] == REF_PROX and fedavg.settings["reference"] == REF_FEDAVG
+    assert "reference" not in fedmix.settings
+    path = write_grid(tmp_path, {"config": str(launch), "base": {"reference.value": 89.0},
+                                 "axes": {"algo": ["fedavg", "fedprox"]}}, "g4.yaml")
+    fedavg, fedprox = expand(load_grid(path))
+    assert fedavg.settings["reference"] == {**REF_FEDAVG, "value": 89.0} and "reference" not in fedprox.settings
+    # per-point launch files: each file's row follows its own algorithm
+    launch2 = tmp_path / "l2.yaml"
+    launch2.write_text(yaml.safe_dump({**TINY, "algo": "fedprox", "reference": REF_PROX}))
+    path = write_grid(tmp_path, {"zip": [{"config": [str(launch), str(launch2), str(launch2)],
+                                          "algo": ["fl", "fedprox", "fedmix"]}]}, "g5.yaml")
+    fl, fedprox, fedmix = expand(load_grid(path))
+    assert fl.settings["reference"] == REF_FEDAVG and fedprox.settings["reference"] == REF_PROX
+    assert "reference" not in fedmix.settings

@@ -3,11 +3,15 @@
     python -m fedhpc.sweep sweeps/digits_demo.yaml --dry-run      # the points, their state, what would run
     python -m fedhpc.sweep sweeps/digits_demo.yaml --local        # here, one point after another
     python -m fedhpc.sweep sweeps/digits_demo.yaml --max-parallel 8   # sbatch --array=0-N%8
+    python -m fedhpc.sweep sweeps/mix2fld_fig2_mnist.yaml --data-dir ~/data   # datasets read from files
 
 The sweep folder (the grid's ``out``) holds ``points/<id>.yaml`` (each point's launch settings),
 ``runs/<id>/`` (each run's --out), ``logs/``, ``slurm/array-<k>.sbatch`` and ``sweep.json``.
 Running the same command again skips finished points and resumes the others; it must not be
 re-submitted while an earlier array of the same sweep is still running (a point would run twice).
+A point whose folder holds a run made with other identity settings than the point's (one the id
+does not hash, such as ``nesterov``) stops the command before anything runs: restore the setting,
+or write the changed grid to another folder (--out, or a new name:).
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ import sys
 import time
 from typing import List, Optional
 
-from ..errors import FedHPCError
+from ..errors import CheckpointError, ConfigError, FedHPCError
 from ..io import atomic_write_json, atomic_write_text
-from .grid import Grid, expand, load_grid, point_yaml
+from .grid import Grid, expand, identity_differences, load_grid, point_yaml
 from .local import launch_command, run_points
 from .slurm import render_array_script, slurm_options, submit
-from .state import run_state
+from .state import RunState, read_config, read_exit_code, run_state
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,13 +44,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, help="ranks per point (overrides the grid's ranks)")
     p.add_argument("--max-parallel", type=int, help="array tasks running at once (sbatch --array=...%%N)")
     p.add_argument("--out", help="sweep folder (overrides the grid's out)")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="folder holding the real datasets (mnist, cifar10, ...): every point's data_dir, over "
+                        "the grid's; not part of the run ids")
     return p
 
 
 def plan(grid: Grid, sweep_dir: str):
-    """Expand and validate ``grid``; return [(Point, RunState)] for every point."""
+    """Expand and validate ``grid``; return [(Point, RunState)] for every point.
+
+    A point whose folder already holds a run (its config.yaml) must be that run: the ids hash only
+    some of the settings a run depends on (see grid.py), so the others are compared here and a
+    sweep that would skip or resume a run made with other settings is refused, every such point
+    named."""
     points = expand(grid)
-    return [(p, run_state(os.path.join(sweep_dir, "runs", p.id), p.rounds)) for p in points]
+    planned, differ = [], []
+    for p in points:
+        run_dir = os.path.join(sweep_dir, "runs", p.id)
+        try:
+            saved = read_config(run_dir)
+        except CheckpointError as e:  # its identity cannot be told: a person must look (see state.py)
+            planned.append((p, RunState("damaged", 0, p.rounds, read_exit_code(run_dir), str(e))))
+            continue
+        diffs = identity_differences(p, saved) if saved is not None else []
+        if diffs:
+            differ.append(f"  point {p.index} ({p.label}), {run_dir}: {'; '.join(diffs)}")
+        planned.append((p, run_state(run_dir, p.rounds)))
+    if differ:
+        raise ConfigError(
+            f"grid {grid.path}: {len(differ)} point(s) would skip or resume a run made with other settings "
+            f"(their ids hold only some of the settings, see fedhpc/sweep/grid.py); nothing was run or "
+            f"submitted:\n" + "\n".join(differ) + "\nrestore the setting(s) in the grid to continue those runs, "
+            "or write this sweep to another folder: --out DIR, or a new name: in the grid (when it sets no out:)")
+    return planned
 
 
 def write_sweep(grid: Grid, planned, sweep_dir: str) -> None:
@@ -87,6 +117,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             grid.ranks = args.ranks
         if args.out:
             grid.out = args.out
+        if args.data_dir:
+            # absolute: the points run from this folder too, but their YAML files may be read from anywhere
+            grid.data_dir = os.path.abspath(args.data_dir)
         opts = slurm_options(grid.slurm)
         if args.max_parallel is not None:
             opts.max_parallel = args.max_parallel

@@ -19,7 +19,14 @@ point), or ``algo_options.KEY`` / ``data_options.KEY`` / ``model_options.KEY``. 
 option key means "leave it out" (so one zip can pair fedavg, which takes no ``lam``, with fedmix).
 Points are enumerated with the zip groups outermost, then the axes in file order, the last
 axis fastest. Each point's settings are its config file < base < its axis values; mapping
-fields (``algo_options``...) are merged key by key, not replaced.
+fields (``algo_options``...) are merged key by key, not replaced. One exception: a
+``reference`` (a paper's row, read by the report) belongs to the algorithm of the layer that
+wrote it (the config file's ``algo``; for the base's, the algorithm in effect after the base),
+so a point whose axis or zip gives it another algorithm (compared by registered name: an alias
+is the same one) does not inherit it; a ``reference`` in the point's own axis / zip values is
+kept. ``python -m fedhpc.sweep --data-dir DIR`` sets every point's ``data_dir`` (not an
+identity setting: the ids stay); validation refuses a point whose dataset reads its files
+from --data-dir when none is given, before anything is run or submitted.
 
 Run ids: ``<label>-<hash>``, the label naming the point's axis values in that same order
 (``algo-fedmix_seed-1``) and the hash the first 8 hex digits of SHA-1 over the point's
@@ -31,7 +38,10 @@ change between a run and its resumption (rounds, eval cadence, threads): raise `
 finished sweep and the re-run resumes every point instead of starting over, except points of
 an algorithm whose identity holds ``rounds`` (pmixfed), which get new ids and start afresh, as
 their checkpoints could not be resumed. The algorithm's settings enter the hash only when it
-has any, so the ids of every other point are those earlier versions gave.
+has any, so the ids of every other point are those earlier versions gave. The identity settings
+the hash leaves out (``nesterov``, which RunConfig.identity() holds only when true) are compared
+with the run already in a point's folder instead (:func:`identity_differences`, called by the
+sweep's ``plan``): a sweep that would skip or resume a run made with other settings is refused.
 """
 
 from __future__ import annotations
@@ -67,6 +77,8 @@ class Point:
     axes: Dict[str, Any]          # this point's axis values, keys as written in the grid
     settings: Dict[str, Any]      # the merged settings (config file < base < axes): a launch/ YAML
     rounds: int = 0               # resolved by validation (RunConfig default when unset)
+    #: the point's settings as the launcher resolves them (set by validation; None before)
+    config: Optional[RunConfig] = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -80,6 +92,8 @@ class Grid:
     ranks: int = 1
     out: str = ""
     slurm: Dict[str, Any] = field(default_factory=dict)
+    #: every point's data_dir (``python -m fedhpc.sweep --data-dir``); empty: as the grid says
+    data_dir: str = ""
 
 
 def _mapping_fields() -> List[str]:
@@ -188,14 +202,56 @@ def _set(settings: Dict[str, Any], key: str, value: Any) -> None:
         settings[key] = value
 
 
-def _merge(config_file: Optional[str], layers: List[Tuple[str, Any]]) -> Dict[str, Any]:
+def _merge(file_values: Dict[str, Any], layers: List[Tuple[str, Any]]) -> Dict[str, Any]:
     settings: Dict[str, Any] = {}
-    if config_file:
-        for k, v in load_yaml(config_file).items():
-            _set(settings, k, copy.deepcopy(v))
-    for k, v in layers:
+    for k, v in list(file_values.items()) + list(layers):
         _set(settings, k, copy.deepcopy(v))
     return settings
+
+
+def _algorithm_name(algo: Any) -> str:
+    """``algo`` as the registry names it (an alias is the same algorithm: 'fl' is 'fedavg'); a name the
+    registry does not know compares as written (validation refuses that point, naming it)."""
+    from ..algorithms import ALGORITHMS, load_algorithm_modules
+
+    load_algorithm_modules()
+    try:
+        return ALGORITHMS.canonical(algo)
+    except ConfigError:
+        return repr(algo)
+
+
+def _is_reference(key: str) -> bool:
+    return key.partition(".")[0] == "reference"
+
+
+def _point_reference(file_values: Dict[str, Any], base: List[Tuple[str, Any]], own: List[Tuple[str, Any]],
+                     settings: Dict[str, Any]) -> None:
+    """Keep in ``settings`` only the ``reference`` parts written for the point's algorithm.
+
+    A reference is a paper's row for one algorithm: the config file's is for the file's ``algo``,
+    the base's for the algorithm in effect after the base (its ``algo``, else the file's). When an
+    axis or zip gives the point another algorithm, those rows describe another method and are
+    dropped; what the point's own axis / zip values set as ``reference`` is kept (applied alone)."""
+    file_ref = [("reference", file_values["reference"])] if "reference" in file_values else []
+    base_ref = [(k, v) for k, v in base if _is_reference(k)]
+    own_ref = [(k, v) for k, v in own if _is_reference(k)]
+    if not (file_ref or base_ref):
+        return
+    algo = _algorithm_name(settings.get("algo", RunConfig.algo))
+    file_algo = file_values.get("algo", RunConfig.algo)
+    base_algo = dict(base).get("algo", file_algo)
+    kept = (file_ref if _algorithm_name(file_algo) == algo else []) + \
+        (base_ref if _algorithm_name(base_algo) == algo else [])
+    if len(kept) == len(file_ref) + len(base_ref):
+        return  # every row is the point's algorithm's: as merged
+    ref: Dict[str, Any] = {}
+    for k, v in kept + own_ref:
+        _set(ref, k, copy.deepcopy(v))
+    if "reference" in ref:
+        settings["reference"] = ref["reference"]
+    else:
+        settings.pop("reference", None)
 
 
 def _label_part(key: str, value: Any) -> List[str]:
@@ -246,6 +302,36 @@ def run_hash(settings: Dict[str, Any]) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:8]
 
 
+def _run_identity(cfg: RunConfig) -> Dict[str, Any]:
+    """What a checkpoint of ``cfg`` must agree on: the engine's ``_identity``."""
+    return {**cfg.identity(), **{k: getattr(cfg, k, _default(k)) for k in _algorithm_identity_settings(cfg.algo)}}
+
+
+def identity_differences(p: Point, saved: Dict[str, Any]) -> List[str]:
+    """The identity settings that the run whose config.yaml reads ``saved`` (the engine writes every
+    RunConfig field there) does not share with the validated point ``p``: "nesterov: the run has
+    False, this point True". Only the settings the id does not hash are compared: those it hashes
+    (as written) are the point's by the id itself, and the engine may have resolved them since (a
+    full participation under --cold-start-fraction). Both sides are read as the checkpoint reads
+    them (fedhpc.checkpoint.canonical_identity), so spellings and defaults are not differences;
+    a field missing from an older config.yaml is its default, as the engine assumes on resume."""
+    from ..checkpoint import canonical_identity
+
+    if p.config is None:
+        raise ValueError("identity_differences needs a validated point (expand(grid, validate=True))")
+    names = {f.name for f in fields(RunConfig)}
+    run_cfg = RunConfig(**{k: v for k, v in saved.items() if k in names})
+    hashed = set(RunConfig.IDENTITY) | set(_algorithm_identity_settings(p.settings.get("algo", RunConfig.algo)))
+    then, now = canonical_identity(_run_identity(run_cfg)), canonical_identity(_run_identity(p.config))
+    out = []
+    for k in sorted((set(then) | set(now)) - hashed):
+        if then.get(k) != now.get(k):
+            # a RunConfig field is shown as set (nesterov False), not as the identity holds it (absent)
+            a, b = (getattr(c, k) if k in names else d.get(k) for c, d in ((run_cfg, then), (p.config, now)))
+            out.append(f"{k}: the run has {a!r}, this point {b!r}")
+    return out
+
+
 def expand(grid: Grid, validate: bool = True) -> List[Point]:
     """All points of ``grid`` with their ids; with ``validate`` each is checked as the launcher
     would check it (``fedhpc.config.parse_args``) and every bad point is named in one ConfigError."""
@@ -261,11 +347,15 @@ def expand(grid: Grid, validate: bool = True) -> List[Point]:
         pairs = [kv for member in combo for kv in member]
         values = dict(pairs)
         config_file = values.pop("config", grid.config)
-        layers = list(grid.base.items()) + [(k, v) for k, v in pairs if k != "config"]
+        own = [(k, v) for k, v in pairs if k != "config"]
         try:
-            settings = _merge(config_file, layers)
+            file_values = load_yaml(config_file) if config_file else {}
+            settings = _merge(file_values, list(grid.base.items()) + own)
+            _point_reference(file_values, list(grid.base.items()), own, settings)
         except ConfigError as e:
             raise ConfigError(f"grid {grid.path}: point {index} ({values}): {e}")
+        if grid.data_dir:  # not an identity setting: the ids stay those of the grid without it
+            settings["data_dir"] = grid.data_dir
         axes = {k: dict(pairs)[k] for k in order}
         label = _label(axes)
         points.append(Point(index, f"{label}-{run_hash(settings)}", label, axes, settings))
@@ -280,9 +370,38 @@ def expand(grid: Grid, validate: bool = True) -> List[Point]:
     return points
 
 
+def reads_files_from_data_dir(cfg: RunConfig, data_opts: Any) -> bool:
+    """Whether the run ``cfg`` would stop at "dataset ... reads its files from --data-dir" because it
+    gives no data_dir. The datasets read from files are those whose options extend the file readers'
+    StoreOptions (fedhpc/data/readers/common.py): each reads its ``dir`` option when set, else a
+    folder under --data-dir (``require_data_dir``); a ``file`` option (imagenet200) given as an
+    absolute path needs no --data-dir either. The embedded and generated ones (digits, synthetic)
+    read none."""
+    from ..data.readers.common import StoreOptions
+
+    if str(cfg.data_dir or "") or not isinstance(data_opts, StoreOptions) or data_opts.dir:
+        return False
+    file = getattr(data_opts, "file", "")
+    return not (isinstance(file, str) and os.path.isabs(file))
+
+
+def _indices(points: List[Point]) -> str:
+    """'point 3' / 'points 0-47' / 'points 0-3, 8, 10-11' (indices ascending)."""
+    runs: List[List[int]] = []
+    for p in points:
+        if runs and p.index == runs[-1][1] + 1:
+            runs[-1][1] = p.index
+        else:
+            runs.append([p.index, p.index])
+    spans = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
+    return ("point " if len(points) == 1 else "points ") + ", ".join(spans)
+
+
 def validate_points(grid: Grid, points: List[Point]) -> None:
     """Run each point's settings through the launcher's own parser; refuse the grid naming every bad point."""
     bad = []
+    failed = set()  # indices of the points in ``bad``
+    no_data_dir: Dict[str, List[Point]] = {}  # dataset -> the points that read its files without a data_dir
     resolved: Dict[str, int] = {}  # a point's full configuration as the launcher resolves it -> its index
     with tempfile.TemporaryDirectory(prefix="fedhpc-sweep-") as tmp:
         for p in points:
@@ -292,21 +411,31 @@ def validate_points(grid: Grid, points: List[Point]) -> None:
             try:
                 # parse_args also checks the partition spec and the model options, which need no data,
                 # so a point the launcher would refuse stops the sweep here rather than after point 0 ran
-                cfg, _, _ = parse_args(["--config", path])
-                p.rounds = cfg.rounds
+                cfg, _, data_opts = parse_args(["--config", path])
+                p.rounds, p.config = cfg.rounds, cfg
+                if reads_files_from_data_dir(cfg, data_opts):  # refused by the run only once it started
+                    no_data_dir.setdefault(cfg.dataset, []).append(p)
                 # Ids hash the names as written; the launcher resolves 'Fedprox' and the alias 'fl'
                 # to 'fedprox' and 'fedavg', so two differently spelled points can be one run.
                 same = resolved.setdefault(json.dumps(cfg.to_dict(), sort_keys=True, default=str), p.index)
                 if same != p.index:
+                    failed.add(p.index)
                     bad.append(f"  point {p.index} ({p.label}): the same run as point {same} once the launcher "
                                f"resolves its settings (e.g. names differing only in case, or fl = fedavg); remove one")
             except FedHPCError as e:
+                failed.add(p.index)
                 bad.append(f"  point {p.index} ({p.label}): {str(e).replace(repr(path), 'its settings')}")
             except SystemExit:  # argparse on a malformed value
+                failed.add(p.index)
                 bad.append(f"  point {p.index} ({p.label}): settings rejected by the launcher's parser")
+    n_bad = len(failed | {p.index for ps in no_data_dir.values() for p in ps})
+    # one line per dataset: a grid without a data_dir fails every point that reads files alike
+    bad = [f"  {_indices(ps)} ({ps[0].label}{', ...' if len(ps) > 1 else ''}): dataset {ds!r} reads its files "
+           f"from --data-dir, and none is given: pass --data-dir DIR to python -m fedhpc.sweep, or set "
+           f"data_dir: DIR in the grid's base" for ds, ps in no_data_dir.items()] + bad
     if bad:
         more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
-        raise ConfigError(f"grid {grid.path}: {len(bad)} of {len(points)} point(s) fail validation, "
+        raise ConfigError(f"grid {grid.path}: {n_bad} of {len(points)} point(s) fail validation, "
                           f"nothing was run or submitted:\n" + "\n".join(bad[:20]) + more)
 
 
