@@ -766,13 +766,19 @@ def test_cifar_string_labels_are_a_data_error(tmp_path):
     (lambda d: d.__setitem__("users", "f0000_14"), "'users' must be a list"),
 ])
 def test_leaf_structure_of_other_types_is_a_data_error(tmp_path, edit, problem):
+    train, msg = _leaf_train_file_error(tmp_path, edit)
+    assert str(train) in msg and problem in msg
+
+
+def _leaf_train_file_error(tmp_path, edit):
+    """(the edited LEAF FEMNIST train file, the DataError its loading raises)."""
     root = tmp_path / "femnist"
     write_leaf_femnist(root)
     train = root / "train" / "all_data_0_niid_0_keep_0_train_9.json"
     _edit_json(train, edit)
     with pytest.raises(DataError) as e:
         build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory"))
-    assert str(train) in str(e.value) and problem in str(e.value)
+    return train, str(e.value)
 
 
 class Py2Pickler(pickle._Pickler):
@@ -918,18 +924,12 @@ def test_femnist_pixels_outside_0_1_are_refused_not_clipped(tmp_path, source):
 def test_leaf_users_num_samples_and_user_data_must_agree(tmp_path, edit, problems):
     """LEAF writes users, num_samples and user_data in step: a user left out of one of them is refused,
     not dropped (or counted twice) without a word."""
-    root = tmp_path / "femnist"
-    write_leaf_femnist(root)
-    train = root / "train" / "all_data_0_niid_0_keep_0_train_9.json"
-    _edit_json(train, edit)
-    with pytest.raises(DataError) as e:
-        build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory"))
-    msg = str(e.value)
+    train, msg = _leaf_train_file_error(tmp_path, edit)
     assert str(train) in msg and "TalwalkarLab/leaf" in msg, msg
     for problem in problems:
         assert problem in msg, msg
     # num_samples is optional (the reader accepts files without it): the other two must still agree
-    write_leaf_femnist(root)
+    write_leaf_femnist(tmp_path / "femnist")
     _edit_json(train, lambda d: d.pop("num_samples"))
     build_dataset(cfg_for(tmp_path, "femnist", "natural", 2), opts("femnist", store="memory"))
 
