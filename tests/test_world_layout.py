@@ -48,6 +48,8 @@ def make_world(monkeypatch, env, gpus=0, cores=8, peers=None, **kw):
     monkeypatch.setattr(world, "gpu_numerics", lambda deterministic: None)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **a: seen.__setitem__("backend", backend))
     monkeypatch.setattr(dist, "new_group", lambda **a: None)
+    # the mocked GPUs have no UUID, even on a machine with a real GPU behind torch.cuda
+    monkeypatch.setattr(world, "gpu_uuid", lambda device: None)
     monkeypatch.setattr(world, "rendezvous_store", lambda *a: dist.HashStore())
     monkeypatch.setattr(world, "exchange_views", lambda store, rank, size, view:
                         (peers or (lambda r, n, v: [v] * n))(rank, size, view))
