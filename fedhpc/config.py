@@ -17,7 +17,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Type, get_type_hints
+from typing import Any, Dict, List, Optional, Tuple, Type, get_type_hints
 
 import yaml
 
@@ -426,24 +426,75 @@ def _same_meaning(old_cls, new_cls, name: str) -> bool:
     return not (old.metadata.get(METHOD_SPECIFIC) or new.metadata.get(METHOD_SPECIFIC))
 
 
+#: The option mappings of RunConfig and the setting naming what each belongs to.
+OPTION_OWNERS = {"algo_options": "algo", "data_options": "dataset", "model_options": "model"}
+
+
+def identity_changes(layer: Dict[str, Any], final: Dict[str, Any]) -> List[str]:
+    """The identity settings (:attr:`RunConfig.IDENTITY` but ``seed``) to which ``final`` gives
+    another meaning than ``layer``, in IDENTITY's order: a paper's ``reference`` written in a layer
+    of settings (a config file; a sweep's config file and base) describes that layer's setting, so
+    a run whose later layer (command-line flags; a sweep point's axes) changes one of these is not
+    the reference's run. ``seed`` is no change of setting (a paper's row averages over seeds), nor
+    is anything outside IDENTITY (rounds, cadence, threads, out, data_dir).
+
+    Both are settings mappings as a YAML file writes them; a key that is not set is RunConfig's
+    default. Values are read as the launcher reads them (a scalar converted to its field's type,
+    ``model: Auto`` is ``auto``, an empty option mapping is ``{}``) and then as a resume compares
+    them (:func:`fedhpc.checkpoint.canonical_identity`: registry names and aliases, option mappings
+    with their defaults, a partition's spelling), so a spelling is no change. An option mapping is
+    not named when what it belongs to (its algorithm, dataset, model) is: its options are another's.
+    A value the launcher would refuse is compared as written (validation names it)."""
+    from .checkpoint import canonical_identity
+
+    hints = get_type_hints(RunConfig)
+    defaults = RunConfig()
+
+    def read(values: Dict[str, Any]) -> Dict[str, Any]:
+        out = {}
+        for k in RunConfig.IDENTITY:
+            v = values.get(k, getattr(defaults, k))
+            if hints[k] in (int, float, str, bool):
+                try:
+                    v = _coerce(v, hints[k], _flag(k))
+                except ConfigError:
+                    pass
+            elif v is None:  # `algo_options:` with nothing after it, as parse_args reads it
+                v = {}
+            if k == "model" and isinstance(v, str) and v.strip().lower() == "auto":
+                v = "auto"
+            out[k] = v
+        return canonical_identity(json.loads(json.dumps(out, default=str)))
+
+    then, now = read(layer), read(final)
+    changed = [k for k in RunConfig.IDENTITY if k != "seed" and then[k] != now[k]]
+    return [k for k in changed if OPTION_OWNERS.get(k) not in changed]
+
+
+def _reference_row(reference: Dict[str, Any]) -> str:
+    """' (ROW)' naming a reference in a note (its row, else table, else paper), or ''."""
+    row = next((str(reference[k]) for k in ("row", "table", "paper") if reference.get(k)), "")
+    return f" ({row})" if row else ""
+
+
 def _options_for_replaced_algorithm(file_values: Dict[str, Any], flag_algo: Optional[str],
-                                    algo_cls) -> Dict[str, Any]:
-    """A file's ``algo_options`` and ``reference`` were written for the file's ``algo``. When
-    ``--algo`` names another one, the options it also has carry over (the pMixFed files'
-    ``finetune_epochs`` serves every method of their table) unless the two mean different things
-    (:data:`METHOD_SPECIFIC`), and the others are dropped, not refused: a file's settings cannot
-    be removed from the command line. The reference (a paper's number for the file's algorithm)
-    is dropped, or the report would hold this run against another method's row. All is said,
-    once, on rank 0: an option of the same name may still mean another thing (FedProx's mu is
-    not pMixFed's)."""
+                                    algo_cls) -> Tuple[Dict[str, Any], List[str]]:
+    """A file's ``algo_options`` were written for the file's ``algo``. When ``--algo`` names
+    another one, the options it also has carry over (the pMixFed files' ``finetune_epochs`` serves
+    every method of their table) unless the two mean different things (:data:`METHOD_SPECIFIC`),
+    and the others are dropped, not refused: a file's settings cannot be removed from the command
+    line. Returns the file's values with those options, and what to say of them in the rank-0
+    note (:func:`parse_args`): an option of the same name may still mean another thing (FedProx's
+    mu is not pMixFed's). The file's ``reference`` is judged with the other settings, by
+    :func:`identity_changes`."""
     from .algorithms import ALGORITHMS
 
-    file_algo, opts, reference = (file_values.get(k) for k in ("algo", "algo_options", "reference"))
+    file_algo, opts = file_values.get("algo"), file_values.get("algo_options")
     if (not flag_algo or not isinstance(file_algo, str) or file_algo not in ALGORITHMS
             or ALGORITHMS.canonical(file_algo) == ALGORITHMS.canonical(flag_algo)):
-        return file_values
+        return file_values, []
     out = dict(file_values)
-    new_name, old_name = ALGORITHMS.canonical(flag_algo), ALGORITHMS.canonical(file_algo)
+    new_name = ALGORITHMS.canonical(flag_algo)
     said = []
     if isinstance(opts, dict) and opts:
         names, old_cls = option_names(algo_cls.Options), ALGORITHMS.get(file_algo).Options
@@ -462,14 +513,34 @@ def _options_for_replaced_algorithm(file_values: Dict[str, Any], flag_algo: Opti
             parts.append(f"{', '.join(dropped)} dropped ({new_name} has no such option)")
         said.append(f"of its algo_options, {'; '.join(parts)}")
         out["algo_options"] = kept
-    if isinstance(reference, dict) and reference:  # not a mapping: parse_args refuses it below
-        row = next((str(reference[k]) for k in ("row", "table", "paper") if reference.get(k)), "")
-        said.append(f"its reference{f' ({row})' if row else ''} is {old_name}'s and is dropped")
-        out["reference"] = {}
-    if said and launcher_rank() == 0:
-        print(f"note: --algo {new_name} replaces the file's algo {old_name}; {'; '.join(said)}",
-              file=sys.stderr, flush=True)
-    return out
+    return out, said
+
+
+def _reference_for_flags(file_values: Dict[str, Any], cfg: "RunConfig") -> List[str]:
+    """Drop from ``cfg`` a reference its config file wrote when the command line changed the
+    file's identity settings (:func:`identity_changes`): the report would hold the run against
+    the row of another setting. Returns what to say of it in the rank-0 note; the algorithm's
+    part in the words of ``--algo``'s note ("is pmixfed's")."""
+    reference = file_values.get("reference")
+    if not (isinstance(reference, dict) and reference and cfg.reference):
+        return []
+    changed = identity_changes(file_values, cfg.to_dict())
+    if not changed:
+        return []
+    cfg.reference = {}
+    parts = [f"is {_file_algo(file_values)}'s"] if "algo" in changed else []
+    others = [k for k in changed if k != "algo"]
+    if others:
+        parts.append(f"describes the file's {', '.join(others)}")
+    return [f"its reference{_reference_row(reference)} {', '.join(parts)} and is dropped"]
+
+
+def _file_algo(file_values: Dict[str, Any]) -> str:
+    """The algorithm a config file runs, as the registry names it (RunConfig's default if unset)."""
+    from .algorithms import ALGORITHMS
+
+    algo = file_values.get("algo", RunConfig.algo)
+    return ALGORITHMS.canonical(algo) if algo in ALGORITHMS else str(algo)
 
 
 def parse_args(argv: Optional[List[str]] = None):
@@ -505,7 +576,8 @@ def parse_args(argv: Optional[List[str]] = None):
                                             known.model or file_values.get("model")))
     algo_cls = ALGORITHMS.get(algo_name)
     data_spec = DATASETS.get(data_name)
-    file_values = _options_for_replaced_algorithm(file_values, known.algo, algo_cls)
+    file_written = file_values
+    file_values, said = _options_for_replaced_algorithm(file_values, known.algo, algo_cls)
     # The run holds the registry's spelling ('Fedprox' -> 'fedprox', the alias 'fl' -> 'fedavg'): its
     # identity, which --resume compares, and the names reports group by must not depend on the typing.
     algo_name, data_name = ALGORITHMS.canonical(algo_name), DATASETS.canonical(data_name)
@@ -558,4 +630,13 @@ def parse_args(argv: Optional[List[str]] = None):
     data_opts = build_options(data_spec.options, cfg.data_options, f"dataset {data_name!r}")
     if cfg.channel != "none":  # the engine builds them again; checked here so a sweep's bad point stops before any runs
         build_options(ChannelOptions, cfg.channel_options, f"channel {cfg.channel!r}")
+    # The file's reference is the paper's number for the file's setting: flags that change it
+    # (--algo, --partition, --channel, an option...; not --seed or --rounds) drop it, said once.
+    said += _reference_for_flags(file_written, cfg)
+    if said and launcher_rank() == 0:
+        if known.algo and _file_algo(file_written) != algo_name:
+            head = f"--algo {algo_name} replaces the file's algo {_file_algo(file_written)}"
+        else:
+            head = f"the command line changes settings of {known.config}"
+        print(f"note: {head}; {'; '.join(said)}", file=sys.stderr, flush=True)
     return cfg, algo_opts, data_opts

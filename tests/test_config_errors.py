@@ -367,6 +367,53 @@ def test_algo_flag_replacing_the_files_algorithm_drops_its_reference(tmp_path, c
         assert cfg.reference and capsys.readouterr().err == "", argv
 
 
+MIX2FLD_ROW = "Mix2FLD, non-IID, asymmetric, (N_S, N_I) = (50, 100)"
+
+
+def test_flags_that_change_the_files_setting_drop_its_reference(tmp_path, capsys):
+    """A file's reference is the paper's number for the file's whole setting: --partition iid over
+    the non-IID Mix2FLD file held the IID run against the non-IID row. A flag changing an identity
+    setting (partition, channel, an option...) drops it and the note names the settings; --seed and
+    settings outside the identity (--rounds, --eval-every, --threads) keep it, as does restating the
+    file's own values in another spelling."""
+    capsys.readouterr()
+    cfg, _, _ = parse_args(["--config", MIX2FLD_FILE, "--partition", "iid"])
+    assert cfg.partition == "iid" and cfg.reference == {}
+    err = capsys.readouterr().err
+    assert f"its reference ({MIX2FLD_ROW}) describes the file's partition and is dropped" in err
+    assert err.count("note:") == 1, err
+    cfg, _, _ = parse_args(["--config", MIX2FLD_FILE, "--partition", "skewed:0:0:13", "--channel", "symmetric"])
+    assert cfg.reference == {}
+    assert (f"its reference ({MIX2FLD_ROW}) describes the file's partition, channel and is dropped"
+            in capsys.readouterr().err)
+    cfg, _, _ = parse_args(["--config", MIX2FLD_FILE, "--inverse-per-device", "20"])  # N_I = 20: another row
+    assert cfg.reference == {}
+    assert f"({MIX2FLD_ROW}) describes the file's algo_options and is dropped" in capsys.readouterr().err
+    # a replaced algorithm keeps --algo's wording, and names the other settings changed with it
+    cfg, _, _ = parse_args(["--config", MIX2FLD_FILE, "--algo", "mixfld", "--partition", "iid"])
+    assert cfg.reference == {}
+    assert (f"its reference ({MIX2FLD_ROW}) is mix2fld's, describes the file's partition and is dropped"
+            in capsys.readouterr().err)
+    # the seed, settings outside the identity and the file's own values (however spelled): kept, nothing said
+    for extra in (["--seed", "3"], ["--rounds", "5", "--eval-every", "5", "--threads", "1", "--checkpoint-every", "0"],
+                  ["--partition", "Skewed:02:1:13", "--channel", "asymmetric", "--inverse-per-device", "100",
+                   "--lr", "0.050", "--model", "MLP"]):
+        cfg, _, _ = parse_args(["--config", MIX2FLD_FILE] + extra)
+        assert cfg.reference["row"] == MIX2FLD_ROW and capsys.readouterr().err == "", extra
+    # a setting the file leaves at its default is the default's: naming it is no change, another value is
+    path = write(tmp_path, "ref.yaml", "algo: fedprox\nreference: {paper: P, row: FedProx row, value: 1.0}\n")
+    cfg, _, _ = parse_args(["--config", path, "--partition", "auto", "--mu", "0.01"])
+    assert cfg.reference and capsys.readouterr().err == ""
+    cfg, _, _ = parse_args(["--config", path, "--optimizer", "adam"])
+    assert cfg.reference == {}
+    assert "its reference (FedProx row) describes the file's optimizer and is dropped" in capsys.readouterr().err
+    # values are read as the launcher reads them: YAML reads `lr: 5e-2` as the string '5e-2', the run 0.05
+    path = write(tmp_path, "ref2.yaml", "algo: fedprox\nlr: 5e-2\nmomentum: 0\nreference: {row: FedProx row}\n")
+    for extra in ([], ["--lr", "0.05", "--momentum", "0.0"]):
+        cfg, _, _ = parse_args(["--config", path] + extra)
+        assert cfg.lr == 0.05 and cfg.reference and capsys.readouterr().err == "", extra
+
+
 def test_algo_flag_does_not_carry_over_an_option_that_means_another_thing(capsys):
     """Mix2FLD's server_lr is its server trainer's learning rate; FedAvg's is the step on the
     averaged update (1.0 = plain FedAvg): --algo fl on the Mix2FLD file must not step by 0.05."""

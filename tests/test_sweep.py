@@ -535,3 +535,77 @@ def test_a_point_of_another_algorithm_drops_the_reference_of_its_config_file(tmp
     fl, fedprox, fedmix = expand(load_grid(path))
     assert fl.settings["reference"] == REF_FEDAVG and fedprox.settings["reference"] == REF_PROX
     assert "reference" not in fedmix.settings
+
+
+def refs(points):
+    return [p.settings.get("reference") for p in points]
+
+
+def test_a_point_whose_setting_differs_from_the_layer_that_wrote_a_reference_drops_it(tmp_path):
+    """A reference is the paper's row for the whole setting of the layer that wrote it, not only its
+    algorithm: a partition axis over a non-IID file labelled its IID points with the non-IID row.
+    Identity settings are compared by meaning (a partition's spelling, an option at its default);
+    the seed and settings outside the identity (rounds) are no other setting."""
+    launch = tmp_path / "l.yaml"
+    launch.write_text(yaml.safe_dump({**TINY, "algo": "fedavg", "partition": "classes:2", "reference": REF_FEDAVG}))
+    path = write_grid(tmp_path, {"config": str(launch),
+                                 "axes": {"partition": ["classes:2", "iid", "Classes:02", "dirichlet:0.5"]}})
+    grid = load_grid(path)
+    points = expand(grid)
+    assert refs(points) == [REF_FEDAVG, None, REF_FEDAVG, None]
+    assert "reference" not in yaml.safe_load(point_yaml(grid, points[1]))
+    # the ids are those the points had with the reference (it is no identity setting)
+    assert points[1].id == f"{points[1].label}-{run_hash({**points[1].settings, 'reference': REF_FEDAVG})}"
+    # the seed and rounds are no other setting
+    path = write_grid(tmp_path, {"config": str(launch), "axes": {"seed": [0, 1], "rounds": [2, 5]}}, "g2.yaml")
+    assert refs(expand(load_grid(path))) == [REF_FEDAVG] * 4
+    # an option's value: the file's (its default, written out or left out) keeps the row, another drops it
+    prox = tmp_path / "prox.yaml"
+    prox.write_text(yaml.safe_dump({**TINY, "algo": "fedprox", "algo_options": {"mu": 0.1}, "reference": REF_PROX}))
+    path = write_grid(tmp_path, {"config": str(prox), "axes": {"algo_options.mu": [0.1, 0.5, None]}}, "g3.yaml")
+    assert refs(expand(load_grid(path))) == [REF_PROX, None, None]  # null: mu left out, its default 0.01
+    prox.write_text(yaml.safe_dump({**TINY, "algo": "fedprox", "reference": REF_PROX}))
+    assert refs(expand(load_grid(path))) == [None, None, REF_PROX]
+    path = write_grid(tmp_path, {"config": str(prox), "axes": {"algo_options.mu": [0.01, 0.5]}}, "g4.yaml")
+    assert refs(expand(load_grid(path))) == [REF_PROX, None]
+
+
+def test_a_reference_is_judged_against_the_settings_of_the_layer_that_wrote_it(tmp_path):
+    """The base's reference describes the settings in effect after the base (config file < base),
+    the file's the file's own; a reference among the point's own zip values is kept."""
+    ref_iid = {"paper": "P", "table": "T1", "row": "FedAvg, IID", "metric": "test_accuracy", "value": 95.0}
+    launch = tmp_path / "l.yaml"
+    launch.write_text(yaml.safe_dump({**TINY, "algo": "fedavg", "partition": "classes:2", "reference": REF_FEDAVG}))
+    path = write_grid(tmp_path, {"config": str(launch), "base": {"partition": "iid", "reference": ref_iid},
+                                 "axes": {"partition": ["iid", "classes:2", "dirichlet:0.5"]}})
+    assert refs(expand(load_grid(path))) == [ref_iid, REF_FEDAVG, None]  # the file's "note" does not leak
+    # a base that changes the file's setting drops the file's row from every point
+    path = write_grid(tmp_path, {"config": str(launch), "base": {"partition": "iid"}, "axes": {"seed": [0, 1]}},
+                      "g2.yaml")
+    assert refs(expand(load_grid(path))) == [None, None]
+    # the point's own reference is kept
+    path = write_grid(tmp_path, {"config": str(launch), "zip": [{"partition": ["classes:2", "iid", "dirichlet:0.5"],
+                                                                 "reference": [{}, ref_iid, {"value": 1.0}]}]},
+                      "g3.yaml")
+    assert refs(expand(load_grid(path))) == [REF_FEDAVG, ref_iid, {"value": 1.0}]
+
+
+def test_the_mix2fld_sweeps_label_only_the_points_of_their_rows_setting(monkeypatch):
+    """The launch files' rows are Fig. 2's non-IID, asymmetric setting at (N_S, N_I) = (50, 100): the
+    IID, symmetric and other (N_S, N_I) points of the repository's sweeps carry no row."""
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    points = expand(load_grid("sweeps/mix2fld_fig2_digits.yaml"), validate=False)
+    with_row = [p for p in points if p.settings.get("reference")]
+    assert sorted({(p.settings["algo"], p.settings["reference"]["row"]) for p in with_row}) == [
+        ("fd", "FD, non-IID, asymmetric"), ("fl", "FL (FedAvg), non-IID, asymmetric"),
+        ("mix2fld", "Mix2FLD, non-IID, asymmetric, (N_S, N_I) = (50, 100)")]
+    assert len(with_row) == 9 and all(p.settings["partition"] == "skewed:2:1:13"
+                                      and p.settings["channel"] == "asymmetric" for p in with_row)
+    points = expand(load_grid("sweeps/mix2fld_seeds_digits.yaml"), validate=False)
+    with_row = [p for p in points if p.settings.get("reference")]
+    assert [p.axes["seed"] for p in with_row] == [0, 1, 2]
+    assert all(p.axes == {"algo_options.seeds_per_device": 50, "algo_options.inverse_per_device": 100,
+                          "algo": "mix2fld", "partition": "skewed:2:1:13", "channel": "asymmetric",
+                          "seed": p.axes["seed"]} for p in with_row)

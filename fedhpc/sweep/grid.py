@@ -20,13 +20,19 @@ option key means "leave it out" (so one zip can pair fedavg, which takes no ``la
 Points are enumerated with the zip groups outermost, then the axes in file order, the last
 axis fastest. Each point's settings are its config file < base < its axis values; mapping
 fields (``algo_options``...) are merged key by key, not replaced. One exception: a
-``reference`` (a paper's row, read by the report) belongs to the algorithm of the layer that
-wrote it (the config file's ``algo``; for the base's, the algorithm in effect after the base),
-so a point whose axis or zip gives it another algorithm (compared by registered name: an alias
-is the same one) does not inherit it; a ``reference`` in the point's own axis / zip values is
-kept. ``python -m fedhpc.sweep --data-dir DIR`` sets every point's ``data_dir`` (not an
-identity setting: the ids stay); validation refuses a point whose dataset reads its files
-from --data-dir when none is given, before anything is run or submitted.
+``reference`` (a paper's row, read by the report) describes the whole setting of the layer that
+wrote it: the config file's reference the file's own values, the base's the settings in effect
+after the base (config file < base). A point inherits it only when its identity settings
+(RunConfig.IDENTITY: algorithm, partition, channel, model, the option mappings...) other than
+``seed`` are that layer's; an axis or zip value that changes one (compared by meaning, as a
+resume compares them: an alias, a partition's spelling or an option written out at its default
+is no change) drops the row from that point, so the IID and symmetric-channel points of a grid
+over a non-IID asymmetric file carry no row of the non-IID asymmetric setting. ``seed`` and the
+settings outside IDENTITY (rounds, eval cadence, threads, data_dir) never drop it. A
+``reference`` in the point's own axis / zip values is kept. ``python -m fedhpc.sweep --data-dir
+DIR`` sets every point's ``data_dir`` (not an identity setting: the ids stay); validation
+refuses a point whose dataset reads its files from --data-dir when none is given, before
+anything is run or submitted.
 
 Run ids: ``<label>-<hash>``, the label naming the point's axis values in that same order
 (``algo-fedmix_seed-1``) and the hash the first 8 hex digits of SHA-1 over the point's
@@ -59,7 +65,7 @@ from typing import Any, Dict, List, Optional, Tuple, get_type_hints
 
 import yaml
 
-from ..config import RunConfig, load_yaml, parse_args
+from ..config import RunConfig, identity_changes, load_yaml, parse_args
 from ..errors import ConfigError, FedHPCError
 
 GRID_KEYS = ("name", "config", "base", "axes", "zip", "ranks", "out", "slurm")
@@ -209,42 +215,29 @@ def _merge(file_values: Dict[str, Any], layers: List[Tuple[str, Any]]) -> Dict[s
     return settings
 
 
-def _algorithm_name(algo: Any) -> str:
-    """``algo`` as the registry names it (an alias is the same algorithm: 'fl' is 'fedavg'); a name the
-    registry does not know compares as written (validation refuses that point, naming it)."""
-    from ..algorithms import ALGORITHMS, load_algorithm_modules
-
-    load_algorithm_modules()
-    try:
-        return ALGORITHMS.canonical(algo)
-    except ConfigError:
-        return repr(algo)
-
-
 def _is_reference(key: str) -> bool:
     return key.partition(".")[0] == "reference"
 
 
 def _point_reference(file_values: Dict[str, Any], base: List[Tuple[str, Any]], own: List[Tuple[str, Any]],
                      settings: Dict[str, Any]) -> None:
-    """Keep in ``settings`` only the ``reference`` parts written for the point's algorithm.
+    """Keep in ``settings`` only the ``reference`` parts written for the point's setting.
 
-    A reference is a paper's row for one algorithm: the config file's is for the file's ``algo``,
-    the base's for the algorithm in effect after the base (its ``algo``, else the file's). When an
-    axis or zip gives the point another algorithm, those rows describe another method and are
-    dropped; what the point's own axis / zip values set as ``reference`` is kept (applied alone)."""
+    A reference is a paper's row for the whole setting of the layer that wrote it: the config
+    file's for the file's own values, the base's for the settings in effect after the base (file <
+    base). When the point's identity settings differ from that layer's
+    (:func:`fedhpc.config.identity_changes`: any but ``seed``, compared by meaning), the row
+    describes another run and is dropped; what the point's own axis / zip values set as
+    ``reference`` is kept (applied alone when a layer's row is dropped)."""
     file_ref = [("reference", file_values["reference"])] if "reference" in file_values else []
     base_ref = [(k, v) for k, v in base if _is_reference(k)]
     own_ref = [(k, v) for k, v in own if _is_reference(k)]
     if not (file_ref or base_ref):
         return
-    algo = _algorithm_name(settings.get("algo", RunConfig.algo))
-    file_algo = file_values.get("algo", RunConfig.algo)
-    base_algo = dict(base).get("algo", file_algo)
-    kept = (file_ref if _algorithm_name(file_algo) == algo else []) + \
-        (base_ref if _algorithm_name(base_algo) == algo else [])
+    kept = (file_ref if file_ref and not identity_changes(file_values, settings) else []) + \
+        (base_ref if base_ref and not identity_changes(_merge(file_values, base), settings) else [])
     if len(kept) == len(file_ref) + len(base_ref):
-        return  # every row is the point's algorithm's: as merged
+        return  # every row is the point's setting's: as merged
     ref: Dict[str, Any] = {}
     for k, v in kept + own_ref:
         _set(ref, k, copy.deepcopy(v))
