@@ -324,10 +324,11 @@ def test_algo_flag_replacing_the_files_algorithm_carries_only_the_options_it_has
     cfg, ao, _ = parse_args(["--config", FEDPROX_FILE, "--algo", "fedavg"])
     assert cfg.algo == "fedavg" and cfg.algo_options == {}
     assert "--algo fedavg replaces the file's algo fedprox; of its algo_options, mu dropped" in capsys.readouterr().err
+    # FedProx's mu (a proximal weight) is not pMixFed-Dynamic's (a mix factor): named, not carried over
     cfg, ao, _ = parse_args(["--config", FEDPROX_FILE, "--algo", "pmixfed_dynamic"])
-    assert ao.mu == 0.01
-    assert "mu=0.01 carried over to pmixfed_dynamic (an option of the same name; --mu sets it)" in \
-        capsys.readouterr().err
+    assert ao.mu == 0.5
+    assert "mu=0.01 not carried over (pmixfed_dynamic's option of that name means another thing; its " \
+        "default applies; --mu sets it)" in capsys.readouterr().err
     cfg, ao, _ = parse_args(["--config", FEDPROX_FILE, "--algo", "pmixfed_dynamic", "--mu", "0.5"])
     assert ao.mu == 0.5
     cfg, ao, _ = parse_args(["--config", PMIXFED_FILE, "--algo", "fedavg"])
@@ -488,3 +489,31 @@ def test_momentum_with_adam_is_refused_naming_the_fix():
     assert "--momentum 0.9 has no effect with --optimizer adam" in msg and "--optimizer sgd" in msg
     parse_args(TINY + ["--optimizer", "adam", "--momentum", "0"])
     parse_args(TINY + ["--optimizer", "sgd", "--momentum", "0.9"])
+
+
+#: option names several methods define, where those not marked method_specific mean one thing
+#: (the mixup methods' lam is one mixing ratio; FLD's and the server trainers' server_lr both a
+#: server trainer's learning rate); a name not listed here must be marked on every definition
+#: whose meaning is its method's own
+SHARED_MEANING = {"beta", "finetune_epochs", "lam", "mix_alpha", "prox_mu", "select", "server_batch",
+                  "server_lr", "server_micro_batch", "server_momentum"}
+
+
+def test_every_option_name_shared_by_methods_is_declared_one_meaning_or_method_specific():
+    """--algo carries a file's option to another method when the names match (config's
+    _same_meaning): a new method reusing a name for another thing (a fifth 'mu') must say so."""
+    from dataclasses import fields
+
+    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+    from fedhpc.config import METHOD_SPECIFIC
+    load_algorithm_modules()
+    definitions = {}
+    for name in ALGORITHMS.names():
+        options = ALGORITHMS.get(name).Options
+        for f in fields(options) if options is not None else ():
+            definitions.setdefault(f.name, {})[id(f)] = f
+    undeclared = sorted(n for n, defs in definitions.items()
+                        if sum(not f.metadata.get(METHOD_SPECIFIC) for f in defs.values()) > 1
+                        and n not in SHARED_MEANING)
+    assert not undeclared, f"options defined by several methods, neither one meaning nor method_specific: {undeclared}"
+    assert {n for n in SHARED_MEANING if len(definitions.get(n, {})) > 1} == SHARED_MEANING  # no stale entry

@@ -189,7 +189,8 @@ class Algorithm:
     #: dataclass of the algorithm's own options (flags / algo_options), or None. A field whose
     #: meaning is this method's own although other methods have an option of that name takes
     #: ``metadata={"method_specific": True}``: ``--algo`` replacing a file's algorithm then never
-    #: carries its value over (fedhpc.config.METHOD_SPECIFIC; FedAvg's server_lr)
+    #: carries its value over (fedhpc.config.METHOD_SPECIFIC; FedAvg's server_lr, the five
+    #: methods' mu, Ditto's lam against the mixup methods' mixing ratio)
     Options: Optional[type] = None
     #: kinds of traffic this algorithm reports in the communication ledger
     ledger_kinds: Tuple[str, ...] = ("parameters",)

@@ -31,7 +31,8 @@ from .personal import PersonalAlgorithm, PersonalOptions, fresh_optimizer
 
 @dataclass
 class DittoOptions(PersonalOptions):
-    lam: float = field(default=1.0, metadata={"help": "lambda of the personal objective's (lam/2)||v - w||^2 (official: 1)"})
+    lam: float = field(default=1.0, metadata={"help": "lambda of the personal objective's (lam/2)||v - w||^2 (official: 1)",
+                                                 "method_specific": True})
     personal_steps: int = field(default=1, metadata={"help": "personal steps per mini-batch, before the global step"})
 
     def validate(self):

@@ -44,7 +44,8 @@ from .local_reg import (LocalRegAlgorithm, LocalRegOptions, lipschitz_loss, requ
 
 @dataclass
 class FedAlignOptions(LocalRegOptions):
-    mu: float = field(default=0.45, metadata={"help": "weight mu of the Lipschitz term (paper 0.45)"})
+    mu: float = field(default=0.45, metadata={"help": "weight mu of the Lipschitz term (paper 0.45)",
+                                                 "method_specific": True})
     width: float = field(default=0.25, metadata={"help": "width omega_S of the slimmed Block L (paper 0.25)"})
     power_iters: int = field(default=10, metadata={"help": "power-iteration steps for each spectral norm"})
     lip_rescale: bool = field(default=False, metadata={

@@ -7,7 +7,7 @@ the mixup algorithms (FedMix paper, Table 1), which take a ``prox_mu`` option.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,8 +32,9 @@ def add_proximal_term(loss: torch.Tensor, algo, model, mu: float) -> torch.Tenso
 
 @dataclass
 class FedProxOptions:
-    #: proximal coefficient mu (FedMix Table 8: 0.1 FEMNIST/CIFAR-10, 0.01 CIFAR-100)
-    mu: float = 0.01
+    #: proximal coefficient mu (FedMix Table 8: 0.1 FEMNIST/CIFAR-10, 0.01 CIFAR-100). method_specific:
+    #: FedAlign's, GradAug's, MOON's and pMixFed-Dynamic's mu weigh other terms (fedhpc.config)
+    mu: float = field(default=0.01, metadata={"help": "proximal coefficient mu", "method_specific": True})
 
     def validate(self):
         if not self.mu >= 0:

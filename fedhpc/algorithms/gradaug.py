@@ -37,7 +37,8 @@ from .local_reg import (LocalRegAlgorithm, LocalRegOptions, draw_scales, draw_wi
 
 @dataclass
 class GradAugOptions(LocalRegOptions):
-    mu: float = field(default=1.75, metadata={"help": "weight mu of the distillation terms (paper 1.75 for n=2)"})
+    mu: float = field(default=1.75, metadata={"help": "weight mu of the distillation terms (paper 1.75 for n=2)",
+                                                 "method_specific": True})
     num_subnets: int = field(default=2, metadata={"help": "number n of sub-networks per batch (paper 2)"})
     min_width: float = field(default=0.8, metadata={"help": "width lower bound omega^b (paper 0.8)"})
     scales: str = field(default="1.0,0.875,0.75,0.625", metadata={

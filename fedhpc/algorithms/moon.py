@@ -50,7 +50,8 @@ def contrastive_loss(z, z_glob, z_prev, temperature: float) -> torch.Tensor:
 
 @dataclass
 class MoonOptions(LocalRegOptions):
-    mu: float = field(default=1.0, metadata={"help": "weight mu of the model-contrastive term (FedAlign study: 1)"})
+    mu: float = field(default=1.0, metadata={"help": "weight mu of the model-contrastive term (FedAlign study: 1)",
+                                                "method_specific": True})
     temperature: float = field(default=0.5, metadata={"help": "temperature tau (MOON default 0.5)"})
 
     def validate(self):

@@ -267,7 +267,8 @@ class PMixFed(PersonalAlgorithm):
 @dataclass
 class PMixFedDynamicOptions(PMixFedOptions):
     mu: float = field(default=0.5, metadata={
-        "help": "the fixed mix factor mu of both stages (default 0.5: Eq. 5 at t = 0 or Acc = 1)"})
+        "help": "the fixed mix factor mu of both stages (default 0.5: Eq. 5 at t = 0 or Acc = 1)",
+        "method_specific": True})  # not FedProx's or the regularisers' weight mu (fedhpc.config)
 
     def validate(self):
         super().validate()
