@@ -76,8 +76,12 @@ def global_outputs(totals: Dict[str, torch.Tensor], num_classes: int) -> Optiona
 
 
 def distillation_loss(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """psi of Eq. 3 / Eq. 5: cross-entropy -sum_m G_m log F_m of each sample's output against
-    its teacher row, averaged over the samples that have one (``mask`` 1); 0 if none has."""
+    """The batch mean of psi of Eq. 3: cross-entropy -sum_m G_m log F_m of each sample's output
+    against its teacher row, 0 for a sample whose label has no global output (``mask`` 0).
+
+    Divided by the batch size, not by the samples that have a teacher: Eq. 3 adds beta psi to
+    each sample's loss and the batch loss is their mean (as FLD's Eq. 5 on the server), so a
+    batch where few labels have a global output is not distilled harder (dividing by the 4 of
+    32 that had one made beta effectively 8 times larger)."""
     per_sample = -(teacher.to(logits.dtype) * F.log_softmax(logits, -1)).sum(-1)
-    m = mask.to(logits.dtype)
-    return (per_sample * m).sum() / m.sum().clamp_min(1.0)
+    return (per_sample * mask.to(logits.dtype)).sum() / max(len(per_sample), 1)
