@@ -26,7 +26,8 @@ from fedhpc.world import World
 
 
 def exact_hessian(model, batches):
-    """H of mean CE over all samples of ``batches``, parameters flattened in model.parameters() order."""
+    """H of mean CE over all samples of ``batches`` (sequence outputs (B, T, V): over all B * T targets,
+    as training's loss), parameters flattened in model.parameters() order."""
     names = [n for n, _ in model.named_parameters()]
     shapes = [p.shape for _, p in model.named_parameters()]
     sizes = [p.numel() for _, p in model.named_parameters()]
@@ -35,7 +36,8 @@ def exact_hessian(model, batches):
 
     def loss(flat):
         params = {n: t.view(s) for n, t, s in zip(names, torch.split(flat, sizes), shapes)}
-        return F.cross_entropy(functional_call(model, params, (x,)), y)
+        out = functional_call(model, params, (x,))
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     return torch.autograd.functional.hessian(loss, flat)
@@ -306,3 +308,87 @@ def test_hvps_of_an_lstm_run_its_forward_without_cudnn_on_cuda(monkeypatch):
     assert seen == [False, False] and torch.backends.cudnn.enabled is True
     assert torch.equal(on_cpu, on_cuda)
     assert torch.allclose(on_cpu, H @ v, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- next-character data
+
+class EmbedLinear(nn.Module):
+    """The shape of lstm_char's problem without its cost: integer ids (B, T) -> logits (B, T, V)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(5, 2)
+        self.head = nn.Linear(2, 5)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embedding(ids)))
+
+
+def test_next_char_objective_is_the_token_mean_training_minimises():
+    """Loss, H v, lambda_max and trace of the mean CE over every target position (training's
+    ``task_loss``), not over sequences: with T = 6 positions the sum per sequence would be 6 times it."""
+    from fedhpc.algorithms.base import task_loss
+
+    torch.manual_seed(8)
+    model = EmbedLinear().double().eval()
+    x, y = torch.randint(0, 5, (9, 6)), torch.randint(0, 5, (9, 6))
+    batches = [(x[:4], y[:4]), (x[4:], y[4:])]  # uneven batches
+    H = exact_hessian(model, batches)
+    obj = Objective(model, batches, 9)
+    assert obj.numel == H.shape[0] == 25
+    with torch.no_grad():
+        assert abs(obj.loss() - float(F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1)))) < 1e-12
+        assert abs(obj.loss() - float(task_loss(model(x), y))) < 1e-12  # what a training step minimises
+    v = torch.randn(25, dtype=torch.float64)
+    assert torch.allclose(obj.hvp(v), H @ v, atol=1e-12)
+    ev = torch.linalg.eigvalsh(H)
+    top = float(ev[ev.abs().argmax()])
+    eig, _, _ = top_eigenvalue(obj, iters=2000, tol=1e-13, seed=1)
+    assert abs(eig - top) < 1e-8 * abs(top)
+    assert abs(float(hessian_diagonal(obj, method="exact").sum()) - float(torch.trace(H))) < 1e-12
+    est, n = hutchinson_trace(obj, iters=50, tol=0.0, seed=2)
+    gen = torch.Generator().manual_seed(derive_seed(2, "hutchinson"))
+    zs = torch.stack([rademacher(25, gen) for _ in range(n)])
+    assert abs(est - float(((zs @ H) * zs).sum(1).mean())) < 1e-10
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """One round of FedAvg on a tiny TFF Shakespeare (next_char, 8 positions) with a small lstm_char."""
+    pytest.importorskip("h5py")
+    from test_formats import write_tff_shakespeare
+
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+
+    root = tmp_path_factory.mktemp("hess_text")
+    write_tff_shakespeare(str(root / "data" / "shakespeare"))
+    out = str(root / "run")
+    argv = ["--algo", "fedavg", "--dataset", "shakespeare", "--data-dir", str(root / "data"), "--model", "lstm_char",
+            "--model-opt", "embed_dim=2", "--model-opt", "hidden=3", "--model-opt", "num_layers=1",
+            "--data-opt", "seq_len=8", "--partition", "natural", "--num-clients", "3", "--clients-per-round", "3",
+            "--rounds", "1", "--local-epochs", "1", "--batch-size", "4", "--lr", "0.5", "--seed", "1",
+            "--threads", "1", "--quiet", "--no-tensorboard", "--out", out]
+    Engine(*parse_args(argv), World(threads=1)).run()
+    return out
+
+
+def test_command_on_next_char_data_against_exact_hessian(text_run, tmp_path):
+    """lstm_char on Shakespeare: character ids reach the embedding as integers (they were cast to the
+    analysis' float dtype), and loss and lambda_max are those of the token-mean CE training uses."""
+    out = str(tmp_path / "h.json")
+    assert main([text_run, "--dtype", "float64", "--batches", "2", "--batch-size", "5", "--iters", "2000",
+                 "--tol", "1e-13", "--trace-iters", "2", "--skip-matching", "--threads", "1", "--out", out]) == 0
+    res = json.load(open(out))["global"]
+    run = RunAnalysis(text_run, None, World(threads=1), torch.float64)
+    model = run.load(os.path.join(text_run, "final_model.pt"))
+    central = run.central_sample(2, 5, 0)
+    assert all(not x.is_floating_point() for x, _ in central) and central[0][1].dim() == 2
+    n = sum(len(y) for _, y in central)
+    assert res["samples"] == n
+    x, y = torch.cat([b[0] for b in central]), torch.cat([b[1] for b in central])
+    with torch.no_grad():
+        logits = model(x)
+    assert abs(res["loss"] - float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))) < 1e-10
+    ev = torch.linalg.eigvalsh(exact_hessian(model, central))
+    assert abs(res["lambda_max"] - float(ev[ev.abs().argmax()])) < 1e-6 * float(ev.abs().max())

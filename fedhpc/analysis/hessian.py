@@ -15,7 +15,8 @@ On a finished run it measures
 
 Readings chosen (each an option, and recorded in the output):
 
-* The loss is the mean cross-entropy over a fixed sample, with the model in
+* The loss is the mean cross-entropy over a fixed sample (next-character data: over every
+  target position of it, the loss training minimises), with the model in
   evaluation mode (BatchNorm's running statistics, no dropout), so a sample's loss
   does not depend on how samples are batched, and results do not depend on ranks.
 * lambda_max and H_T use ``--batches`` batches of ``--batch-size`` drawn (seeded) from
@@ -93,7 +94,9 @@ def saved_clients(out: str, round_: int) -> List[int]:
 # --------------------------------------------------------------------------- the objective and its HVPs
 
 class Objective:
-    """L(w) = (1/N) sum_i loss_i(w) over a fixed sample; this rank holds ``batches`` of it.
+    """L(w) = (1/N) sum_i loss_i(w) over a fixed sample of N = ``total`` samples; this rank holds
+    ``batches`` of it. loss_i is sample i's cross-entropy, for next-character data (targets (B, T))
+    the mean over its T positions (:meth:`batch_sum`), so L is the loss training minimises.
 
     ``world``: the ranks that share the sample, batch b on rank b mod size (None: this
     rank holds all of it). Hessian-vector products are exact (double backward); the
@@ -124,6 +127,19 @@ class Objective:
             self.world.all_reduce_sum_(acc.data)
         return acc.sum().cpu()
 
+    def batch_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """sum_i loss_i over one batch. Training minimises ``task_loss``'s mean over every target of a
+        batch, for (B, T, V) outputs over B * T positions; ``reduction="sum"`` alone would sum those B * T
+        terms and, divided by N sequences, give T times that loss (T times lambda_max and trace, T^2
+        times H_N). Each sequence's sum is divided by its T positions instead: as every sequence has the
+        same length, (1/N) sum of per-sequence means is the mean over all N * T target positions of the
+        sample, what training minimises over the whole data set. Classification ((B, C) outputs) has
+        one target per sample and is left exactly as it was."""
+        loss = task_loss(logits, y, reduction="sum")
+        if logits.dim() > 2:  # task_loss's own test for sequence outputs
+            loss = loss / (logits[0].numel() // logits.shape[-1])
+        return loss
+
     def hvp(self, v: torch.Tensor) -> torch.Tensor:
         """H v for a flat float64 vector ``v`` (CPU), summed over the batches of every rank."""
         vs = self._split(v)
@@ -131,7 +147,7 @@ class Objective:
         def per_batch():
             for x, y in self.batches:
                 with double_backward_safe(self.model, x):  # differentiated twice: no cuDNN RNN on CUDA
-                    loss = task_loss(self.model(x), y, reduction="sum") / self.total
+                    loss = self.batch_sum(self.model(x), y) / self.total
                 grads = torch.autograd.grad(loss, self.params, create_graph=True)
                 hv = torch.autograd.grad(grads, self.params, grad_outputs=vs)
                 yield torch.cat([h.reshape(-1) for h in hv]).double()
@@ -141,7 +157,7 @@ class Objective:
 
     def loss(self) -> float:
         with torch.no_grad():
-            terms = (torch.tensor([float(task_loss(self.model(x), y, reduction="sum")) / self.total],
+            terms = (torch.tensor([float(self.batch_sum(self.model(x), y)) / self.total],
                                   dtype=torch.float64) for x, y in self.batches)
             return float(self._summed(terms, 1))
 
@@ -291,7 +307,10 @@ class RunAnalysis:
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor):
         dev = self.world.device
-        return self.data.transform(x.to(dev), False, None).to(self.dtype), y.to(dev)
+        x = self.data.transform(x.to(dev), False, None)
+        # only real-valued inputs take the analysis' dtype: character ids (token_ids) stay integers
+        # for the embedding, which refuses float indices
+        return (x.to(self.dtype) if x.is_floating_point() else x), y.to(dev)
 
     def central_sample(self, batches: int, batch_size: int, seed: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``batches`` x ``batch_size`` samples of the centralized training set (every client's
