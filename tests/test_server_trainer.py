@@ -23,7 +23,7 @@ from fedhpc.algorithms.base import derive_seed
 from fedhpc.errors import ConfigError, DataError, NonFiniteLossError
 from fedhpc.flat import FlatModel
 from fedhpc.models import build_model
-from fedhpc.server.trainer import ServerTrainConfig, ServerTrainer
+from fedhpc.server.trainer import ServerTrainConfig, ServerTrainer, micro_batch_bounds
 from fedhpc.world import World
 
 
@@ -273,6 +273,64 @@ def test_bn_one_micro_batch_is_plain_batchnorm(world):
     assert torch.allclose(flat.flat[:flat.num_params], params_of(ref), atol=1e-6, rtol=0)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         assert torch.allclose(getattr(model[1], name).double(), getattr(ref[1], name).double(), atol=1e-6), name
+
+
+def ref_micro_batches(B, micro_batch):
+    """The documented cut, written again: chunks of micro_batch, a last single sample joined to the one before."""
+    cuts = list(range(0, B, micro_batch)) + [B]
+    if micro_batch > 1 and len(cuts) > 2 and cuts[-1] - cuts[-2] == 1:
+        del cuts[-2]
+    return [(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def test_micro_batches_never_leave_a_single_sample():
+    for B, mb in [(13, 4), (16, 5), (12, 5), (5, 4), (1, 4), (2, 4), (9, 4), (8, 4), (7, 3), (3, 1)]:
+        assert micro_batch_bounds(B, mb) == ref_micro_batches(B, mb), (B, mb)
+    assert micro_batch_bounds(13, 4) == [(0, 4), (4, 8), (8, 13)]
+    assert micro_batch_bounds(5, 4) == [(0, 5)] and micro_batch_bounds(1, 4) == [(0, 1)]
+    assert micro_batch_bounds(3, 1) == [(0, 1), (1, 2), (2, 3)]  # micro_batch=1 asks for single samples
+
+
+def test_bn_batch_leaving_a_one_sample_micro_batch_trains(world):
+    """45 samples, batch 16, micro-batch 4: the last batch of 13 would leave a micro-batch of 1, which
+    BatchNorm cannot normalise in training mode ("Expected more than 1 value per channel"), though the
+    batch trains whole. It is joined to the one before (4 + 4 + 5); the weights equal a plain loop over
+    the same ghost batches, the running statistics their closed form, and without BatchNorm the result
+    equals training on each whole batch at once."""
+    x, y, _ = digits_like(45)
+    batches = ref_batches(45, 16, seed=4, epochs=2)
+    assert [len(b) for b in batches] == [16, 16, 13] * 2
+    torch.manual_seed(9)
+    model, flat, ref = pair(nn.Sequential(nn.Flatten(), nn.BatchNorm1d(64), nn.Linear(64, 16), nn.ReLU(),
+                                          nn.BatchNorm1d(16), nn.Linear(16, 10)))
+    init = flat.flat.clone()
+    res = ServerTrainer(world, model, flat).fit(x, y, ServerTrainConfig(epochs=2, batch_size=16, micro_batch=4,
+                                                                        lr=0.1), seed=4)
+    assert (res["steps"], res["samples"]) == (6, 90)
+
+    def ghost_ce(o, t, idx):  # the batch's mean CE, BatchNorm over each ghost batch alone (not o: the whole batch)
+        return sum(F.cross_entropy(ref(x[idx[a:b]]), t[a:b], reduction="sum")
+                   for a, b in ref_micro_batches(len(idx), 4)) / len(idx)
+
+    plain_fit(ref, x, y, batches, torch.optim.SGD(ref.parameters(), lr=0.1), ghost_ce)
+    assert torch.allclose(flat.flat[:flat.num_params], params_of(ref), atol=1e-6, rtol=0)
+    assert (flat.flat[:flat.num_params] - init[:flat.num_params]).abs().max() > 1e-2
+    mean, var = torch.zeros(64, dtype=torch.float64), torch.ones(64, dtype=torch.float64)
+    for idx in batches:  # the first BatchNorm sees the data itself: its statistics in closed form
+        xs = x.flatten(1).double()[idx]
+        micro = [xs[a:b] for a, b in ref_micro_batches(len(idx), 4)]
+        mean = 0.9 * mean + 0.1 * torch.stack([mb.mean(0) for mb in micro]).mean(0)
+        var = 0.9 * var + 0.1 * torch.stack([mb.var(0, unbiased=True) for mb in micro]).mean(0)
+    assert torch.allclose(model[1].running_mean.double(), mean, atol=1e-5)
+    assert torch.allclose(model[1].running_var.double(), var, atol=1e-5)
+    assert int(model[1].num_batches_tracked) == 6
+
+    torch.manual_seed(10)  # no BatchNorm: micro-batches of 4, 4, 5 are the whole batch of 13
+    model, flat, ref = pair(build_model("mlp", (1, 8, 8), 10))
+    ServerTrainer(world, model, flat).fit(x, y, ServerTrainConfig(epochs=2, batch_size=16, micro_batch=4, lr=0.1),
+                                          seed=4)
+    plain_fit(ref, x, y, batches, torch.optim.SGD(ref.parameters(), lr=0.1), lambda o, t, i: F.cross_entropy(o, t))
+    assert torch.allclose(flat.flat, params_of(ref), atol=1e-6, rtol=0)
 
 
 # ------------------------------------------------------------------ errors

@@ -19,15 +19,19 @@ The rules, which the tests re-implement independently:
   with ``drop_last``). ``steps`` counts optimizer steps (K_s) and runs as many
   passes as needed, the last one cut short; ``epochs`` runs whole passes.
 * Micro-batches. A batch of B samples is cut into consecutive micro-batches of
-  ``micro_batch`` samples (the last one smaller); micro-batch ``j`` runs on rank
+  ``micro_batch`` samples (the last one smaller), except that a last one of a single
+  sample is joined to the one before it (that one then has ``micro_batch + 1``): BatchNorm
+  cannot normalise one sample in training mode, and a batch that trains whole must not
+  fail for how it was cut (:func:`micro_batch_bounds`; ``micro_batch=1`` asks for
+  single-sample micro-batches and keeps them). Micro-batch ``j`` runs on rank
   ``j % size``. Its size does not depend on the rank count, so neither does any
   computation inside it: before it runs, the device's default generator (CPU:
   ``torch.default_generator``, CUDA: the device's) is seeded with
   ``derive_seed(seed, "server_micro", step, j)`` (dropout masks), the
   ``transform``'s generator with ``derive_seed(seed, "server_augment", step, j)``
   (augmentation), and BatchNorm normalises with the micro-batch's own statistics
-  (ghost batches of ``micro_batch`` samples; ``micro_batch >= batch_size`` gives
-  plain BatchNorm).
+  (ghost batches of ``micro_batch`` samples, a joined last one of ``micro_batch + 1``;
+  ``micro_batch >= batch_size`` gives plain BatchNorm).
 * Gradient. g = (1/B) * sum over the batch of d loss_i / d w, with ``loss_fn``
   returning per-sample losses. Every micro-batch's float32 gradient is computed
   identically on any rank count, so the only rank-dependent step is how the sum
@@ -64,7 +68,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +152,21 @@ def server_batches(n: int, cfg: ServerTrainConfig, seed: int) -> Iterator[torch.
             yield perm[k * cfg.batch_size: (k + 1) * cfg.batch_size]
         total -= per_pass
         epoch += 1
+
+
+def micro_batch_bounds(batch: int, micro_batch: int) -> List[Tuple[int, int]]:
+    """(start, stop) of each micro-batch of a batch of ``batch`` samples; see the module docstring.
+
+    A function of the two sizes alone, so every rank cuts a batch the same way whatever the
+    rank count. A trailing single sample (e.g. 13 = 4 + 4 + 4 + 1) joins the micro-batch before
+    it (4 + 4 + 5): alone, it would stop a BatchNorm model in training mode ("Expected more than
+    1 value per channel") on a batch that trains whole. The gradient is a sum over samples, so
+    without BatchNorm the cut changes nothing but float rounding.
+    """
+    starts = list(range(0, batch, micro_batch))
+    if micro_batch > 1 and len(starts) > 1 and batch - starts[-1] == 1:  # micro_batch=1 asked for ones
+        starts.pop()
+    return list(zip(starts, starts[1:] + [batch]))
 
 
 def _take(t: torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -259,10 +278,10 @@ class ServerTrainer:
         failure: Optional[Exception] = None
         failures = torch.zeros((), dtype=torch.float64, device=dev)
 
-        def run_my_micro_batches(step: int, idx: torch.Tensor, n_micro: int) -> None:
+        def run_my_micro_batches(step: int, idx: torch.Tensor, bounds: List[Tuple[int, int]]) -> None:
             """This rank's micro-batches of one batch: gradients, buffer updates and losses into acc."""
-            for j in range(world.rank, n_micro, world.size):
-                mb = idx[j * mb_size: (j + 1) * mb_size]
+            for j in range(world.rank, len(bounds), world.size):
+                mb = idx[bounds[j][0]: bounds[j][1]]
                 if has_buffers:  # every micro-batch starts from the pre-step statistics
                     flat.flat[P:].copy_(buf_pre)
                 for pre, (b, _) in zip(int_pre, int_buffers):
@@ -292,7 +311,8 @@ class ServerTrainer:
             model.train()
             for step, idx in enumerate(server_batches(n, cfg, seed)):
                 B = int(idx.numel())
-                n_micro = math.ceil(B / mb_size)
+                bounds = micro_batch_bounds(B, mb_size)  # the same on every rank
+                n_micro = len(bounds)
                 acc.zero_()  # the bins are comm[:-1]
                 comm[-1] = 0.0
                 if has_buffers:
@@ -301,7 +321,7 @@ class ServerTrainer:
                     pre.copy_(b)
                 if failure is None:
                     try:
-                        run_my_micro_batches(step, idx, n_micro)
+                        run_my_micro_batches(step, idx, bounds)
                     except Exception as e:
                         failure = e
                 if failure is not None:
