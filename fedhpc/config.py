@@ -17,7 +17,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple, Type, get_type_hints
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, get_type_hints
 
 import yaml
 
@@ -175,10 +175,12 @@ class RunConfig:
     def to_dict(self) -> Dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def identity(self) -> Dict[str, Any]:
+    def identity(self, algorithm_settings: Sequence[str] = ()) -> Dict[str, Any]:
+        """What a checkpoint of this run must agree on; ``algorithm_settings``: the other settings
+        the run's algorithm reads in its updates (``Algorithm.identity_settings``: pMixFed's rounds)."""
         from .data.partition import PARTITION_RULES
 
-        ident = {k: getattr(self, k) for k in self.IDENTITY}
+        ident = {k: getattr(self, k) for k in (*self.IDENTITY, *algorithm_settings)}
         ident["partition_rules"] = PARTITION_RULES  # the same spec string may have meant another split
         if self.nesterov:  # only when set, so checkpoints written before the option still resume
             ident["nesterov"] = True

@@ -431,7 +431,7 @@ class Engine(Evaluation, RunLog):
     def _identity(self) -> Dict:
         """The settings a checkpoint must share with the run resuming it: the config's, plus
         those the algorithm's updates read (``Algorithm.identity_settings``)."""
-        return {**self.cfg.identity(), **{k: getattr(self.cfg, k) for k in self.algo.identity_settings}}
+        return self.cfg.identity(self.algo.identity_settings)
 
     def restore(self) -> None:
         found = checkpoint.load_latest_intact(self.cfg.out, self._identity(), warn=self._warn, world=self.world,

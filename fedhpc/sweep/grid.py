@@ -295,11 +295,6 @@ def run_hash(settings: Dict[str, Any]) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:8]
 
 
-def _run_identity(cfg: RunConfig) -> Dict[str, Any]:
-    """What a checkpoint of ``cfg`` must agree on: the engine's ``_identity``."""
-    return {**cfg.identity(), **{k: getattr(cfg, k, _default(k)) for k in _algorithm_identity_settings(cfg.algo)}}
-
-
 def identity_differences(p: Point, saved: Dict[str, Any]) -> List[str]:
     """The identity settings that the run whose config.yaml reads ``saved`` (the engine writes every
     RunConfig field there) does not share with the validated point ``p``: "nesterov: the run has
@@ -315,7 +310,8 @@ def identity_differences(p: Point, saved: Dict[str, Any]) -> List[str]:
     names = {f.name for f in fields(RunConfig)}
     run_cfg = RunConfig(**{k: v for k, v in saved.items() if k in names})
     hashed = set(RunConfig.IDENTITY) | set(_algorithm_identity_settings(p.settings.get("algo", RunConfig.algo)))
-    then, now = canonical_identity(_run_identity(run_cfg)), canonical_identity(_run_identity(p.config))
+    # what a checkpoint of each must agree on, as the engine's _identity builds it
+    then, now = (canonical_identity(c.identity(_algorithm_identity_settings(c.algo))) for c in (run_cfg, p.config))
     out = []
     for k in sorted((set(then) | set(now)) - hashed):
         if then.get(k) != now.get(k):
