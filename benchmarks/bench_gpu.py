@@ -25,7 +25,7 @@ Workloads (FedAvg, SGD lr 0.05, 1 local epoch, IID; the global test set is evalu
 
 Modes: ``seq`` (1 rank, one client after another), ``batched`` (1 rank, ``--clients-at-once``
 = clients per round), ``ranks2`` / ``ranks4`` (2 / 4 ranks on the one GPU, sequential clients;
-their collectives go over gloo through host memory, see fedhpc/world.py choose_backend).
+their collectives go over gloo through host memory, see fedhpc/world.py agree_backend).
 
     python benchmarks/bench_gpu.py [--rounds 20] [--warmup 3] [--only cnn,lenet5] [--json OUT.json]
 

@@ -81,12 +81,6 @@ def gpu_numerics(deterministic: bool) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
-def choose_backend(use_cuda: bool, ranks_on_node: int, gpus_on_node: int, requested: str = "auto"):
-    """(backend, note) for ranks that all look like this node: :func:`agree_backend` of one view."""
-    return agree_backend([{"host": "this node", "cuda": use_cuda, "gpu": None,
-                           "ranks": ranks_on_node, "gpus": gpus_on_node}], requested)
-
-
 def agree_backend(views: List[dict], requested: str = "auto"):
     """(backend, note): which torch.distributed backend carries the ranks' tensors, decided from
     every rank's view so that all ranks decide alike (one picking NCCL while another picks gloo
@@ -322,7 +316,7 @@ def _gpu_count(value: Optional[str]) -> Optional[int]:
 
 
 def gpu_layout(env, launcher: str, local_size: int, busiest: int, visible: int) -> tuple:
-    """(ranks, gpus) for :func:`choose_backend`: shared GPUs when ranks > gpus.
+    """(ranks, gpus) of this node for :func:`agree_backend`: shared GPUs when ranks > gpus.
 
     ``visible`` is torch.cuda.device_count() in this process. The rule:
 

@@ -173,6 +173,11 @@ def test_federated_distillation_is_bit_for_bit_the_same_on_1_2_and_3_ranks(tmp_p
 
 # ----------------------------------------------------------------------------- ranks sharing a GPU
 
+def node_view(use_cuda, ranks, gpus):
+    """One node's view as World gathers it, without GPU UUIDs (sharing read from the layout)."""
+    return {"host": "this node", "cuda": use_cuda, "gpu": None, "ranks": ranks, "gpus": gpus}
+
+
 @pytest.mark.parametrize("use_cuda,ranks,gpus,requested,expect", [
     (False, 2, 0, "auto", "gloo"),
     (False, 1, 0, "gloo", "gloo"),
@@ -183,9 +188,9 @@ def test_federated_distillation_is_bit_for_bit_the_same_on_1_2_and_3_ranks(tmp_p
     (True, 2, 2, "gloo", "gloo"),     # asked for, and possible
 ])
 def test_the_backend_follows_ranks_per_gpu(use_cuda, ranks, gpus, requested, expect):
-    from fedhpc.world import choose_backend
+    from fedhpc.world import agree_backend
 
-    backend, note = choose_backend(use_cuda, ranks, gpus, requested)
+    backend, note = agree_backend([node_view(use_cuda, ranks, gpus)], requested)
     assert backend == expect
     # a gloo run with GPUs says why and what is usually faster; the plain cases say nothing
     assert bool(note) == (use_cuda and backend == "gloo")
@@ -200,10 +205,10 @@ def test_the_backend_follows_ranks_per_gpu(use_cuda, ranks, gpus, requested, exp
 ])
 def test_an_impossible_backend_is_refused_with_the_fix(use_cuda, ranks, gpus, requested, needle):
     from fedhpc.errors import ConfigError
-    from fedhpc.world import choose_backend
+    from fedhpc.world import agree_backend
 
     with pytest.raises(ConfigError, match=needle):
-        choose_backend(use_cuda, ranks, gpus, requested)
+        agree_backend([node_view(use_cuda, ranks, gpus)], requested)
 
 
 needs_gpu = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
