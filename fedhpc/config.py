@@ -518,6 +518,22 @@ def _options_for_replaced_algorithm(file_values: Dict[str, Any], flag_algo: Opti
     return out, said
 
 
+def _channel_options_for_no_channel(file_values: Dict[str, Any], flag_channel: Optional[str]
+                                    ) -> Tuple[Dict[str, Any], List[str]]:
+    """A file's ``channel_options`` parametrise the file's channel model. ``--channel none`` over a
+    file with a model runs the ideal-link twin of that setting (the ablation a channel study
+    needs), so the options go with the model, said in the rank-0 note, rather than refusing a run
+    whose options cannot be removed from the command line. Options given with ``--channel-opt``,
+    or written beside ``channel: none`` in the file itself, are still refused by validate()."""
+    file_channel, opts = file_values.get("channel", RunConfig.channel), file_values.get("channel_options")
+    if (flag_channel is None or flag_channel.strip().lower() != "none" or not isinstance(opts, dict) or not opts
+            or not isinstance(file_channel, str) or file_channel.strip().lower() == "none"):
+        return file_values, []
+    return ({**file_values, "channel_options": {}},
+            [f"its channel_options ({', '.join(f'{k}={v}' for k, v in opts.items())}) parametrise its channel "
+             f"{file_channel} and are dropped with it"])
+
+
 def _reference_for_flags(file_values: Dict[str, Any], cfg: "RunConfig") -> List[str]:
     """Drop from ``cfg`` a reference its config file wrote when the command line changed the
     file's identity settings (:func:`identity_changes`): the report would hold the run against
@@ -558,6 +574,7 @@ def parse_args(argv: Optional[List[str]] = None):
     pre.add_argument("--algo")
     pre.add_argument("--dataset")
     pre.add_argument("--model")
+    pre.add_argument("--channel")
     known, _ = pre.parse_known_args(argv)
     file_values = load_yaml(known.config) if known.config else {}
 
@@ -580,6 +597,8 @@ def parse_args(argv: Optional[List[str]] = None):
     data_spec = DATASETS.get(data_name)
     file_written = file_values
     file_values, said = _options_for_replaced_algorithm(file_values, known.algo, algo_cls)
+    file_values, said_channel = _channel_options_for_no_channel(file_values, known.channel)
+    said += said_channel
     # The run holds the registry's spelling ('Fedprox' -> 'fedprox', the alias 'fl' -> 'fedavg'): its
     # identity, which --resume compares, and the names reports group by must not depend on the typing.
     algo_name, data_name = ALGORITHMS.canonical(algo_name), DATASETS.canonical(data_name)

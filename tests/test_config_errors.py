@@ -480,6 +480,36 @@ def test_channel_options_without_a_channel_model_are_refused_not_ignored(argv):
     assert "--channel symmetric or asymmetric" in msg
 
 
+def test_channel_none_over_a_files_channel_model_drops_its_options_saying_so(tmp_path, capsys):
+    """The ideal-link twin of a channel file: --channel none (or a sweep axis) takes the file's
+    channel_options with its channel model instead of refusing a run nothing can fix."""
+    path = write(tmp_path, "c.yaml", "channel: asymmetric\nchannel_options: {p_up_dbm: 30}\n")
+    cfg, _, _ = parse_args(["--config", path, "--channel", "none"] + TINY)
+    assert cfg.channel == "none" and cfg.channel_options == {}
+    assert "its channel_options (p_up_dbm=30) parametrise its channel asymmetric and are dropped" in \
+        capsys.readouterr().err
+    # the file's own model keeps them; options given for no channel are still refused
+    assert parse_args(["--config", path] + TINY)[0].channel_options == {"p_up_dbm": 30}
+    with pytest.raises(ConfigError, match="are set but --channel is none"):
+        parse_args(["--config", path, "--channel", "none", "--channel-opt", "t_max_s=0.2"] + TINY)
+    own = write(tmp_path, "n.yaml", "channel: none\nchannel_options: {p_up_dbm: 30}\n")
+    with pytest.raises(ConfigError, match="are set but --channel is none"):
+        parse_args(["--config", own, "--channel", "none"] + TINY)
+
+    grid = write(tmp_path, "g.yaml", yaml.safe_dump({
+        "config": path, "base": GRID_BASE, "axes": {"channel": ["none", "asymmetric"]},
+        "out": str(tmp_path / "sweep")}))
+    none, model = expand(load_grid(grid))
+    assert "channel_options" not in none.settings and none.config.channel_options == {}
+    assert model.config.channel_options == {"p_up_dbm": 30}
+    # options the point itself sets for no channel are its mistake: refused, not dropped
+    grid = write(tmp_path, "z.yaml", yaml.safe_dump({
+        "config": path, "base": GRID_BASE, "out": str(tmp_path / "sweep"),
+        "zip": {"channel_options.t_max_s": [0.2], "channel": ["none"]}}))
+    with pytest.raises(ConfigError, match="are set but --channel is none"):
+        expand(load_grid(grid))
+
+
 # --------------------------------------------------------------------------- momentum with Adam
 
 def test_momentum_with_adam_is_refused_naming_the_fix():

@@ -219,6 +219,30 @@ def _is_reference(key: str) -> bool:
     return key.partition(".")[0] == "reference"
 
 
+def _channel_options_for_no_channel(file_values: Dict[str, Any], base: List[Tuple[str, Any]],
+                                    own: List[Tuple[str, Any]], settings: Dict[str, Any]) -> None:
+    """A layer (the base, the point's axes) that sets ``channel: none`` over a channel model of
+    an earlier layer runs that setting's ideal-link twin: the earlier layers' ``channel_options``
+    parametrised the model and go with it, as ``--channel none`` drops a config file's
+    (:func:`fedhpc.config.parse_args`). Options set in that layer or after it are kept, for
+    validation to refuse: they were written for no channel."""
+    layers = [list(file_values.items()), base, own]
+    if str(settings.get("channel", RunConfig.channel)).strip().lower() != "none":
+        return
+    setting = [i for i, layer in enumerate(layers) if any(k == "channel" for k, _ in layer)]
+    if not setting or setting[-1] == 0:
+        return  # the file's own channel (or the default) is none: its options are its own mistake
+    at = setting[-1]
+    before = _merge({}, [kv for layer in layers[:at] for kv in layer])
+    if str(before.get("channel", RunConfig.channel)).strip().lower() == "none":
+        return
+    later = _merge({}, [(k, v) for layer in layers[at:] for k, v in layer if k.partition(".")[0] == "channel_options"])
+    if later.get("channel_options"):
+        settings["channel_options"] = later["channel_options"]
+    else:
+        settings.pop("channel_options", None)
+
+
 def _point_reference(file_values: Dict[str, Any], base: List[Tuple[str, Any]], own: List[Tuple[str, Any]],
                      settings: Dict[str, Any]) -> None:
     """Keep in ``settings`` only the ``reference`` parts written for the point's setting.
@@ -340,6 +364,7 @@ def expand(grid: Grid, validate: bool = True) -> List[Point]:
         try:
             file_values = load_yaml(config_file) if config_file else {}
             settings = _merge(file_values, list(grid.base.items()) + own)
+            _channel_options_for_no_channel(file_values, list(grid.base.items()), own, settings)
             _point_reference(file_values, list(grid.base.items()), own, settings)
         except ConfigError as e:
             raise ConfigError(f"grid {grid.path}: point {index} ({values}): {e}")
