@@ -125,6 +125,7 @@ class Engine(Evaluation, RunLog):
                  os.path.join(tempfile.gettempdir(), f"fedhpc-state-{os.getpid()}"))
         self.client_state = ClientStateStore(world, int(cfg.client_state_budget_mb * 2**20), spill)
         self.algo = algo_cls(cfg, algo_options, self.model, self.flat, self.data, world, self.client_state)
+        self.algo.training_clients = list(self.training_clients)
         self.algo.setup()
         check_single_sample_batches(
             self.model, model_name, [(c, int(self.sizes[c])) for c in self.training_clients], cfg.batch_size,

@@ -400,3 +400,20 @@ def test_every_dataset_takes_the_server_options_and_they_pickle():
         assert pickle.loads(pickle.dumps(opts)) == opts
         if spec.own_options is not None:
             assert isinstance(opts, spec.own_options)
+
+
+def test_a_device_that_cannot_encode_stops_every_rank_with_its_error(tmp_path):
+    """Device 3 (hosted by rank 1 of 2) holds no dummy label: its rank alone finds out, between two
+    collectives; every rank must stop with that error at once, not wait for the collective timeout."""
+    from conftest import launch
+
+    args = ["--algo", "xormixfl", "--dataset", "digits", "--num-clients", "4", "--clients-per-round", "4",
+            "--seed", "3", "--partition", "classes:3", "--data-opt", "server_per_label=30",
+            "--data-opt", "server_deficient=0", "--data-opt", "server_deficient_count=4", "--num-dummy", "2",
+            "--dummy-labels", "3,9", "--server-epochs", "1", "--rounds", "1", "--quiet", "--no-tensorboard",
+            "--threads", "1", "--collective-timeout", "120", "--out", str(tmp_path / "r")]
+    one = launch(args, ranks=1)
+    assert one.returncode == 2 and "device 3 holds 0 usable non-target label(s)" in one.stderr
+    two = launch(args, ranks=2, timeout=100)  # well under the collective timeout
+    assert two.returncode == 2, two.stderr
+    assert "device 3 holds 0 usable non-target label(s)" in two.stderr and "raised on rank 1" in two.stderr

@@ -217,6 +217,10 @@ class Algorithm:
         self.final_evaluation = False
         #: set by the engine: the rounds the current global model has had (also after a resume)
         self.rounds_done = 0
+        #: set by the engine before setup(): the clients that take part in training, ascending.
+        #: --cold-start-fraction holds the others out entirely, so exchanges that collect from
+        #: every device up front (mean data, seeds, encoded uploads) collect from these alone.
+        self.training_clients: List[int] = list(range(data.num_clients))
 
     # ---------------------------------------------------------------- round-level hooks
     def setup(self) -> None:

@@ -28,8 +28,8 @@ class Mix2FLD(MixFLD):
 
     def server_samples(self, collected: SeedSet) -> SeedSet:
         o = self.options
-        # N_I per device whose seeds reached the server: every device with --seed-delivery always
-        devices = self.data.num_clients if o.seed_delivery == "always" else len(collected.owner.unique())
+        # N_I per device whose seeds reached the server: every training device with --seed-delivery always
+        devices = len(self.training_clients) if o.seed_delivery == "always" else len(collected.owner.unique())
         n_out = o.inverse_per_device * devices
         g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "inverse-mixup"))
         # With --seed-delivery channel the devices present are the channel's draw, not a setting:

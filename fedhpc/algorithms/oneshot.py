@@ -386,6 +386,12 @@ class OneShotServer(Algorithm):
                               f"--data-opt server_deficient_count=n for its target labels)")
         self.server_x, self.server_y = server
         self.num_classes = self.data.num_classes
+        pool = getattr(self.options, "dummy_pool", lambda: None)()
+        outside = sorted(label for label in pool or () if not 0 <= label < self.num_classes)
+        if outside:  # found here, on every rank alike, not per device while encoding
+            raise ConfigError(f"--dummy-labels {self.options.dummy_labels!r} names label(s) {outside} that "
+                              f"{self.cfg.dataset} does not have (its labels are 0..{self.num_classes - 1}); "
+                              f"list labels in that range")
         self.trainer = ServerTrainer(self.comm, self.model, self.flat)
         self.train_set: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.upload_bytes: Dict[int, int] = {}
@@ -470,7 +476,8 @@ class EncodedUploads(OneShotServer):
         comm, o = self.comm, self.options
         deficits = balance_deficits(self.server_counts())
         targets = sorted(deficits)
-        mine = list(range(comm.rank, self.data.num_clients, comm.size))
+        training = set(self.training_clients)  # a cold-start client uploads nothing
+        mine = [cid for cid in range(comm.rank, self.data.num_clients, comm.size) if cid in training]
         held = {cid: sorted(set(self.data.client(cid).y.tolist()) & set(targets)) for cid in mine}
         holders: Dict[int, List[int]] = {t: [] for t in targets}
         for part in comm.all_gather_object(held):
@@ -478,21 +485,27 @@ class EncodedUploads(OneShotServer):
                 for t in labels:
                     holders[t].append(cid)
         asks = {t: split_requests(deficits[t], holders[t], o.requests_per_device) for t in targets}
-        local = []
-        for cid in mine:
-            req = {t: asks[t].get(cid, 0) for t in targets}
-            if not any(req.values()):
-                continue
-            pixels, labels = self.device_pixels(cid)
-            g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "oneshot-encode", cid))
-            enc = encode_device(pixels, labels, req, targets, o.num_dummy, o.max_blend, o.blend_alpha, g,
-                                cid, kind=self.kind, lam=getattr(o, "mix_lam", 0.5),
-                                num_classes=self.num_classes, dummy_pool=o.dummy_pool())
-            # The audit runs where the device's raw data already is (its hosting rank), so no rank
-            # loads every device; uint8 samples are equal when their distance is below 1.
-            leaked = len(audit_raw_leaves(enc, {cid: pixels}, atol=0.5, rtol=0.0).leaked_rows) if len(enc) else 0
-            local.append((enc, leaked))
-        gathered = [item for part in comm.all_gather_object(local) for item in part]
+        local, failure = [], None
+        try:
+            for cid in mine:
+                req = {t: asks[t].get(cid, 0) for t in targets}
+                if not any(req.values()):
+                    continue
+                pixels, labels = self.device_pixels(cid)
+                g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "oneshot-encode", cid))
+                enc = encode_device(pixels, labels, req, targets, o.num_dummy, o.max_blend, o.blend_alpha, g,
+                                    cid, kind=self.kind, lam=getattr(o, "mix_lam", 0.5),
+                                    num_classes=self.num_classes, dummy_pool=o.dummy_pool())
+                # The audit runs where the device's raw data already is (its hosting rank), so no rank
+                # loads every device; uint8 samples are equal when their distance is below 1.
+                leaked = len(audit_raw_leaves(enc, {cid: pixels}, atol=0.5, rtol=0.0).leaked_rows) if len(enc) else 0
+                local.append((enc, leaked))
+        except Exception as e:  # noqa: BLE001 - a device only this rank hosts: raised on every rank below
+            failure = e
+        parts = comm.all_gather_object((local, failure is not None))
+        if any(failed for _, failed in parts):
+            comm.raise_together(failure, "encoding the devices' uploads")
+        gathered = [item for part, _ in parts for item in part]
         enc = EncodedSet.cat(sorted([e for e, _ in gathered], key=lambda s: int(s.owner[0])))
         self.metrics.update(uploads_equal_raw=float(sum(n for _, n in gathered)),
                             upload_linear_mix=float(self.linear_mix))

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -378,12 +378,14 @@ PIECE_MIN_BYTES = 1 << 20
 
 
 def exchange_means(data, comm, opts: MeanDataOptions, seed: int, refresh: int,
-                   device=None, dtype=torch.float32, piece_rows: Optional[int] = None) -> MeanData:
+                   device=None, dtype=torch.float32, piece_rows: Optional[int] = None,
+                   clients: Optional[Sequence[int]] = None) -> MeanData:
     """Every rank computes its owned clients' means into the final table; the rows are shared piece by piece.
 
     Collective: call it on every rank. Returns the same :class:`MeanData` everywhere.
     ``piece_rows`` (rows each rank puts into one all_gather) is chosen from the
-    table size when not given; tests set it small to exercise many pieces.
+    table size when not given; tests set it small to exercise many pieces. ``clients``: those
+    that send means (default every client); the others have no entries.
     """
     device = torch.device("cpu") if device is None else device
     xshape, yshape = _shapes(data)
@@ -394,7 +396,11 @@ def exchange_means(data, comm, opts: MeanDataOptions, seed: int, refresh: int,
             f"training batches ({'x'.join(map(str, train_shape))}): the data options crop the two to different "
             f"sizes; make them agree (e.g. --data-opt center_crop={train_shape[-1]})")
     dx, dy = int(np.prod(xshape)), int(np.prod(yshape))
-    layout = MeanLayout.build(data.client_sizes(), opts)
+    sizes = np.asarray(data.client_sizes(), dtype=np.int64)
+    shared = None if clients is None else set(int(c) for c in clients)
+    if shared is not None:  # the others (cold-start clients) send no means: no entries in the table
+        sizes = np.where(np.isin(np.arange(len(sizes)), sorted(shared)), sizes, 0)
+    layout = MeanLayout.build(sizes, opts)
     if len(layout.per_client) != data.num_clients:
         raise DataError(f"{type(data).__name__}.client_sizes() lists {len(layout.per_client)} clients, "
                         f"num_clients is {data.num_clients}; the dataset must report one size per client")
@@ -404,6 +410,8 @@ def exchange_means(data, comm, opts: MeanDataOptions, seed: int, refresh: int,
     x = torch.empty((e, dx), dtype=dtype, device=device)
     y = torch.empty((e, dy), dtype=dtype, device=device)
     for cid in range(comm.rank, data.num_clients, comm.size):
+        if shared is not None and cid not in shared:
+            continue
         xm, ym, batches = client_means(data, cid, opts, seed, refresh, device)
         k, s = int(layout.per_client[cid]), int(layout.start[cid])
         if len(batches) != k:
@@ -542,7 +550,8 @@ class MeanDataExchange:
         refresh = 0 if o.mean_refresh == "once" else rnd.index
         if self.means is None or o.mean_refresh == "every_round":
             self.means = None  # the old table goes before the new one is built (peak memory)
-            self.means = exchange_means(a.data, a.comm, o, a.cfg.seed, refresh, a.device, a.flat.flat.dtype)
+            self.means = exchange_means(a.data, a.comm, o, a.cfg.seed, refresh, a.device, a.flat.flat.dtype,
+                                        clients=a.training_clients)
             # 'once' on a resumed run rebuilds what the server already held: nothing is re-sent.
             if o.mean_refresh == "every_round" or rnd.index == 0:
                 up = self.means.uploaded_bytes
