@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .errors import CheckpointError
-from .io import atomic_write_json
+from .io import atomic_write_json, write_synced
 
 #: each checkpoint shard's list of client-state files: {cid: {"bytes": n, "sha256": hex}}
 SHARD_INDEX = "index.json"
@@ -211,8 +211,7 @@ class ClientStateStore:
             else:
                 with open(self._spill_path(cid), "rb") as f:
                     data = f.read()
-            with open(path, "wb") as f:
-                f.write(data)
+            write_synced(path, data)  # the index's sync covers the names, this the contents
             index[str(cid)] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         atomic_write_json(os.path.join(directory, SHARD_INDEX), index)
         return len(index)

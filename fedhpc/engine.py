@@ -12,7 +12,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -189,8 +189,10 @@ class Engine(Evaluation, RunLog):
         self.sim_seconds_total = 0.0
         self.start_round = 0
         self.stop_round = cfg.rounds  # earlier when --stop-epsilon is met
-        self._round_metrics: Optional[Dict[str, float]] = None        # the last round's, before evaluation
-        self._final_round_metrics: Optional[Dict[str, float]] = None  # a resumed finished run's (restore)
+        self._converged_round: Optional[int] = None  # the round that met --stop-epsilon: the run ends there
+        self._round_metrics: Optional[Dict[str, float]] = None  # the last round run, before evaluation
+        self._final_record: Optional[Dict[str, float]] = None   # the last round's log record when it was final
+        self._resumed: Optional[Dict[str, Any]] = None          # what restore() read to rebuild the log
         self.cum_bytes = {"bytes_up_total": 0.0, "bytes_down_total": 0.0}
         self.round_seconds_total = 0.0
         # The first optimizer built in a process imports torch._dynamo lazily (1-3 s): pay it
@@ -420,11 +422,13 @@ class Engine(Evaluation, RunLog):
             "sim_seconds_total": self.sim_seconds_total,
             "round_seconds_total": self.round_seconds_total,
             "previous_convergence_state": self._previous_convergence_state,
-            "stop_round": self.stop_round if self.stop_round < self.cfg.rounds else None,
-            # a run's last round was logged with its final evaluation: kept to log it again as
-            # an ordinary round if a resume extends the run (see _record_to_redo)
-            "last_round_metrics": (self._round_metrics if round_done == self.cfg.rounds
-                                   and self.stop_round == self.cfg.rounds else None),
+            # the run converged: it ends there whatever --rounds a resume gives (also when that
+            # was the last round: a longer run would have stopped there too)
+            "stop_round": self._converged_round,
+            # the round's training metrics, and its whole log record when it was logged with the
+            # final evaluation: a resume that moves the run's end logs that round again (_resume_records)
+            "round_metrics": self._round_metrics,
+            "final_record": self._final_record,
         }
         store = self.client_state if self.uses_store else None
         checkpoint.save(self.cfg.out, round_done, self.world, server, store)
@@ -458,32 +462,68 @@ class Engine(Evaluation, RunLog):
         if self.uses_store:
             self.client_state.load_shards(body["client_state_dirs"], body.get("client_state_indexed", True))
         self.start_round = int(body["round"])
-        self._final_round_metrics = body.get("last_round_metrics")
+        old_final = body.get("last_round_metrics")  # checkpoints before round_metrics / final_record
+        self._resumed = {"round_metrics": body.get("round_metrics", old_final),
+                         "final_record": body.get("final_record"),
+                         "final_logged": body.get("final_record") is not None or old_final is not None}
+        self._round_metrics, self._final_record = self._resumed["round_metrics"], self._resumed["final_record"]
         self.algo.rounds_done = self.start_round
         if self.start_round > self.cfg.rounds:
             raise CheckpointError(
                 f"checkpoint {directory} is after round {self.start_round}, past --rounds {self.cfg.rounds}; "
                 f"resume with --rounds {self.start_round} or more (its final model is "
                 f"{self.cfg.out}/final_model.pt if that run finished), or use another --out")
-        if body.get("stop_round"):
-            self.stop_round = int(body["stop_round"])  # the run had converged: nothing left to do
+        converged = body.get("stop_round") or ((old_final or {}).get("converged") and self.start_round)
+        if converged:
+            self.stop_round = self._converged_round = int(converged)  # the run had converged: nothing left to do
         if self.is_main:
             print(f"resumed from {directory} after round {self.start_round}", flush=True)
 
-    def _record_to_redo(self) -> Optional[Dict[str, float]]:
-        """Collective. A finished run extended by --resume with more --rounds logged its last
-        round with the final evaluation (FedBABU's fine-tuned heads, cold-start clients) and
-        logged it even off the --eval-every grid; the longer run logs that round as an ordinary
-        one. Its training metrics (kept in the checkpoint) with, on the grid, an ordinary
-        evaluation of the restored model, replace that record. None: nothing to redo."""
-        saved = self._final_round_metrics
-        if not saved or self.start_round >= self.stop_round:
-            return None
-        record = dict(saved)
-        if self.start_round % self.cfg.eval_every == 0:
-            record.update(self.evaluate())
+    def _resume_records(self) -> Tuple[Optional[Dict[str, float]], Optional[Dict[str, float]]]:
+        """Collective. The log record that replaces the checkpoint round's on resume, and the
+        run's final metrics when that round is its last; (None, None): the log stays as it is.
+
+        The last round of a run is logged with the final evaluation (FedBABU's fine-tuned heads,
+        cold-start clients, --final-adapt), even off the --eval-every grid; any other round is
+        logged as an ordinary one. So when a resume moves the run's end:
+          * a finished run extended with more --rounds: its last round becomes an ordinary one
+            (its training metrics, kept in the checkpoint, with on the grid an ordinary
+            evaluation of the restored model);
+          * a finished run resumed as it is: its final record, as the checkpoint keeps it (an
+            extension that failed before its first round ended had replaced it);
+          * a run resumed with --rounds equal to its checkpoint's round: that round is now the
+            last, evaluated and logged as the run of that length logs it."""
+        saved = self._resumed
+        if saved is None or saved["round_metrics"] is None:
+            return None, None
+        if self.start_round < self.stop_round:
+            if not saved["final_logged"]:
+                return None, None
+            record = dict(saved["round_metrics"])
+            if self.start_round % self.cfg.eval_every == 0:
+                record.update(self.evaluate())
+            record.pop("stop", None)
+            return record, None
+        if saved["final_record"] is not None:
+            return dict(saved["final_record"]), dict(saved["final_record"])
+        if saved["final_logged"]:
+            return None, None  # an older checkpoint of a finished run: its record was not kept
+        record = dict(saved["round_metrics"])
+        self._evaluate_round(record, last=True)
         record.pop("stop", None)
-        return record
+        self._final_record = dict(record)
+        return record, dict(record)
+
+    def _evaluate_round(self, metrics: Dict[str, float], last: bool) -> None:
+        """Collective. Add the round's evaluation to ``metrics``; the run's last round gets the
+        final one (the algorithm's final fine-tuning, cold-start clients, --final-adapt)."""
+        self.algo.final_evaluation = last  # a run that converges early ends here too
+        metrics.update(self.evaluate())
+        if last and self.cold_start:
+            metrics.update(self._evaluate_cold_start(metrics))
+        if last and self.cfg.final_adapt:
+            metrics.update(self._evaluate_final_adapted())
+        self.algo.final_evaluation = False
 
     def _warn(self, message: str) -> None:
         if self.is_main:
@@ -497,12 +537,15 @@ class Engine(Evaluation, RunLog):
         cfg = self.cfg
         if cfg.resume:
             self.restore()
-        redo = self._record_to_redo()
+        redo, final_again = self._resume_records()
         self._open_outputs(redo_last=redo is not None)
         if redo is not None:
             self._log(redo, echo=False)
+        if cfg.out and final_again is not None and self._resumed["final_record"] is None:
+            # the round became the run's last: its checkpoint says so now, as the shorter run's does
+            self.save_checkpoint(self.start_round)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        final: Dict[str, float] = {}
+        final: Dict[str, float] = dict(final_again or {})
         try:
             if self.is_main and not cfg.quiet:
                 print(f"fedhpc: {cfg.algo} on {cfg.dataset} ({self.data.num_clients} clients, "
@@ -514,19 +557,15 @@ class Engine(Evaluation, RunLog):
                 metrics = self.run_round(t)
                 converged = metrics.get("converged", False)  # kept in metrics.jsonl: a finished run, not a cut one
                 if converged:
-                    self.stop_round = t + 1  # before the final evaluation: cold-start clients join here
+                    # before the final evaluation: cold-start clients join here
+                    self.stop_round = self._converged_round = t + 1
                 last = t + 1 == cfg.rounds or converged
                 self._round_metrics = dict(metrics)  # before evaluation: a checkpoint keeps it
                 if last or (t + 1) % cfg.eval_every == 0:
-                    self.algo.final_evaluation = last  # a run that converges early ends here too
-                    metrics.update(self.evaluate())
-                    if last and self.cold_start:
-                        metrics.update(self._evaluate_cold_start(metrics))
-                    if last and cfg.final_adapt:
-                        metrics.update(self._evaluate_final_adapted())
-                    self.algo.final_evaluation = False
+                    self._evaluate_round(metrics, last)
                     final = metrics
                 stop = metrics.pop("stop", False)
+                self._final_record = dict(metrics) if last else None
                 self._log(metrics)
                 if converged and self.is_main and not cfg.quiet:
                     print(f"converged after round {t + 1}: relative change "

@@ -44,10 +44,30 @@ def _atomic(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
     except BaseException as e:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
-            raise OutputError(f"cannot write {path}: {e.strerror}; free space or fix the permissions "
-                              f"there, or choose another --out (files already written, such as the last "
-                              f"checkpoint, are intact)") from e
+        raise_disk_error(path, e)
+        raise
+
+
+def raise_disk_error(path: str, e: BaseException) -> None:
+    """Raise ``e`` as an OutputError naming ``path`` and the fix when it is an error of the disk
+    (full, read-only, no permission, I/O error); return for any other, for the caller to re-raise."""
+    if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+        raise OutputError(f"cannot write {path}: {e.strerror}; free space or fix the permissions "
+                          f"there, or choose another --out (files already written, such as the last "
+                          f"checkpoint, are intact)") from e
+
+
+def write_synced(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` and sync it, for a file inside a directory that is made visible
+    by a later rename (a checkpoint's ``.partial``): no temporary name of its own is needed, but
+    its blocks must be on disk before that rename names them."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise_disk_error(path, e)
         raise
 
 

@@ -65,6 +65,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             engine.run()
         except Preempted as p:
+            if not cfg.out:  # nothing was saved: not the "checkpointed, run again" exit a requeue acts on
+                if world.rank == 0:
+                    print(f"stopped by signal after round {p.round_done}; nothing was saved (no --out), so the "
+                          f"run cannot be continued; give --out DIR to make a run resumable",
+                          file=sys.stderr, flush=True)
+                return 1
             if world.rank == 0:
                 print(f"stopped by signal after round {p.round_done}; checkpoint written to "
                       f"{cfg.out}/checkpoints. Continue with the same command plus --resume",

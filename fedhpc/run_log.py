@@ -12,7 +12,7 @@ import json
 import os
 from typing import Dict
 
-from .io import atomic_write_text
+from .io import atomic_write_text, raise_disk_error
 
 
 class RunLog:
@@ -53,9 +53,13 @@ class RunLog:
         if not self.is_main:
             return
         if self._metrics_file is not None and "test_accuracy" in metrics:
-            self._metrics_file.write(json.dumps(metrics) + "\n")
-            self._metrics_file.flush()
-            os.fsync(self._metrics_file.fileno())
+            try:
+                self._metrics_file.write(json.dumps(metrics) + "\n")
+                self._metrics_file.flush()
+                os.fsync(self._metrics_file.fileno())
+            except OSError as e:
+                raise_disk_error(self._metrics_file.name, e)
+                raise
         if self._tb is not None:
             step = metrics["round"]
             for k, v in metrics.items():

@@ -371,11 +371,17 @@ def test_personal_state_evaluation_and_cold_start_on_two_ranks(tmp_path):
 
 @pytest.mark.parametrize("algo", ["fedper", "per_fedavg"])
 def test_resuming_a_finished_run_reports_the_same_personalised_metrics(algo, tmp_path):
-    """A finished run resumed with the same rounds evaluates straight from the checkpoint: the
-    personal models must be built from the restored global state, not from none."""
+    """A finished run resumed with the same rounds reports its final record from the checkpoint;
+    evaluated straight from the checkpoint, the personal models must be built from the restored
+    global state, not from none, and give those numbers."""
     out = str(tmp_path / "run")
     argv = ["--algo", algo, *BASE, "--model", "mlp", "--out", out]
     first = engine(argv).run()
     again = engine(argv + ["--resume"]).run()
+    restored = engine(argv + ["--resume"])
+    restored.restore()
+    restored.algo.final_evaluation = True
+    evaluated = restored.evaluate()
     for k in ("test_accuracy", "local_test_accuracy_mean", "local_test_accuracy_global_model"):
         assert again[k] == first[k], k
+        assert evaluated[k] == first[k], k
