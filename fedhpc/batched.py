@@ -104,9 +104,21 @@ def weighted_task_loss(logits: torch.Tensor, y: torch.Tensor, weight: torch.Tens
     return (per_row.view(k, b) * weight).sum(1)
 
 
-def proximal_terms(group: ClientGroup, global_state: torch.Tensor, mu: float) -> torch.Tensor:
-    """(mu/2) ||w_k - w_global||^2 for every client k (K,): FedProx's term, batched."""
-    anchors = group.flat.param_views(global_state)  # aligned with params (flat.entries order)
+def proximal_terms(group: ClientGroup, algo: "Algorithm", mu: float) -> torch.Tensor:
+    """(mu/2) ||w_k - a_k||^2 for every client k (K,): FedProx's term, batched.
+
+    a_k = ``algo.anchor_state(ctx_k)``, as the sequential ``add_proximal_term`` uses: the global
+    model, or the model a device kept after a lost broadcast (channel model), per client.
+    """
+    states = [algo.anchor_state(ctx) for ctx in group.ctxs]
+    if all(s is algo.global_state for s in states):
+        # one anchor for all: broadcast the global model's views (no (K, P) copy per step)
+        anchors = group.flat.param_views(algo.global_state)  # aligned with params (flat.entries order)
+    else:
+        stacked = torch.stack(states)  # (K, P): row k client k's own anchor
+        k = stacked.shape[0]
+        anchors = [stacked[:, e.offset:e.offset + e.numel].view((k,) + tuple(e.shape))
+                   for e in group.flat.entries if e.is_param]
     sq = [(p - a).pow(2).flatten(1).sum(1) for p, a in zip(group.params.values(), anchors)]
     return 0.5 * mu * torch.stack(sq, 1).sum(1)
 

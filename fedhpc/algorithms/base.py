@@ -305,8 +305,18 @@ class Algorithm:
         if kept is None:
             return False
         self.flat.load_(kept)
+        # The device never received the global model: the model it starts from anchors its
+        # update (FedProx's proximal term, MOON's positive pair), see anchor_state.
+        ctx.extra["anchor"] = self.flat.flat.detach().clone()
         self.client_state.put_slot(ctx.cid, "device_model", None)
         return True
+
+    def anchor_state(self, ctx: ClientContext) -> torch.Tensor:
+        """The flat model ``ctx``'s device starts this round from, which anchors its local update:
+        the kept model :meth:`restore_kept_model` restored, else the global model (the very
+        tensor ``self.global_state``, so runs without a channel are unchanged)."""
+        anchor = ctx.extra.get("anchor")
+        return self.global_state if anchor is None else anchor
 
     def on_downlink_outage(self, model: nn.Module, ctx: ClientContext) -> None:
         """This round's broadcast did not reach the device: it keeps its local model (Mix2FLD

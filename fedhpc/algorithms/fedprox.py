@@ -1,8 +1,10 @@
 """FedProx (Li et al., 2020): FedAvg whose local objective adds (mu/2) ||w - w_global||^2.
 
 The proximal term keeps local models near the round's global model under
-heterogeneous data. :func:`add_proximal_term` is shared with the "+FedProx" variants of
-the mixup algorithms (FedMix paper, Table 1), which take a ``prox_mu`` option.
+heterogeneous data (under a channel model, a device that missed the broadcast is kept
+near the model it kept and starts from instead: ``Algorithm.anchor_state``).
+:func:`add_proximal_term` is shared with the "+FedProx" variants of the mixup algorithms
+(FedMix paper, Table 1), which take a ``prox_mu`` option.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ def proximal_term(model, global_params, mu: float) -> torch.Tensor:
     return 0.5 * mu * torch.stack(sq).sum()
 
 
-def add_proximal_term(loss: torch.Tensor, algo, model, mu: float) -> torch.Tensor:
-    """``loss`` plus (mu/2)||w - w_global||^2 around the round's global model; ``loss`` when mu is 0."""
+def add_proximal_term(loss: torch.Tensor, algo, model, mu: float, ctx) -> torch.Tensor:
+    """``loss`` plus (mu/2)||w - w_anchor||^2; ``loss`` when mu is 0.
+
+    The anchor is the model the client started the round from (``algo.anchor_state(ctx)``):
+    the round's global model, or, under a channel model, the model a device kept when the
+    broadcast did not reach it (it cannot be pulled towards a model it never received).
+    """
     if mu == 0:
         return loss
-    return loss + proximal_term(model, algo.flat.param_views(algo.global_state), mu)
+    return loss + proximal_term(model, algo.flat.param_views(algo.anchor_state(ctx)), mu)
 
 
 @dataclass
@@ -52,9 +59,9 @@ class FedProx(Algorithm):
         self.options = self.options or FedProxOptions()
 
     def loss(self, model, x, y, ctx):
-        return add_proximal_term(super().loss(model, x, y, ctx), self, model, self.options.mu)
+        return add_proximal_term(super().loss(model, x, y, ctx), self, model, self.options.mu, ctx)
 
     def batched_loss(self, group, x, y, weight):
-        """``loss`` for K clients at once (fedhpc.batched): CE + (mu/2)||w_k - w_global||^2 per client."""
-        return weighted_task_loss(group.forward(x), y, weight) + proximal_terms(group, self.global_state,
-                                                                              self.options.mu)
+        """``loss`` for K clients at once (fedhpc.batched): CE + (mu/2)||w_k - a_k||^2 per client,
+        a_k client k's anchor (``anchor_state``)."""
+        return weighted_task_loss(group.forward(x), y, weight) + proximal_terms(group, self, self.options.mu)

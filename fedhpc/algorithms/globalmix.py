@@ -175,4 +175,4 @@ class GlobalMix(Algorithm):
             xj = self.space.lift(model, xj if self.space.text else self.data.transform(xj, False, None).to(xin.dtype))
             yj = self.space.labels(self.pool["y"][pick], ydtype)
             loss = mixup_loss(self.space.f(model), xin, yin, xj, yj, lam)
-        return add_proximal_term(loss, self, model, self.options.prox_mu)
+        return add_proximal_term(loss, self, model, self.options.prox_mu, ctx)

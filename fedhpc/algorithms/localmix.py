@@ -75,7 +75,7 @@ class LocalMix(Algorithm):
         xin = self.space.lift(model, x)
         yin = self.space.labels(y, xin.dtype if xin.is_floating_point() else torch.float32)
         loss = mixup_loss(self.space.f(model), xin, yin, xin[perm], yin[perm], lam)
-        return add_proximal_term(loss, self, model, self.options.prox_mu)
+        return add_proximal_term(loss, self, model, self.options.prox_mu, ctx)
 
     def batched_loss(self, group, x, y, weight):
         """``loss`` for K clients (fedhpc.batched): each active client draws its permutation of
@@ -100,4 +100,4 @@ class LocalMix(Algorithm):
         loss = batched_mixup_loss(group.forward, x, yin, x2, y2, lam, weight)
         if self.options.prox_mu == 0:
             return loss
-        return loss + proximal_terms(group, self.global_state, self.options.prox_mu)
+        return loss + proximal_terms(group, self, self.options.prox_mu)  # per-client anchors

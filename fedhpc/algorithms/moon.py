@@ -7,7 +7,9 @@ Each client minimises
 
 z, z_glob, z_prev: the projection-head outputs of the model being trained, of the
 round's global model and of this client's model from the last round it trained
-(MOON Eqs. 3-4); sim is the cosine similarity; l_con is averaged over the batch.
+(MOON Eqs. 3-4; under a channel model, a device that missed the broadcast contrasts
+with the model it kept and starts from instead, ``Algorithm.anchor_state``); sim is
+the cosine similarity; l_con is averaged over the batch.
 FedAlign's study: "a two-layer projection layer is added to the model", tau 0.5,
 mu 1 (MOON's official code: l1 (d -> d), ReLU, l2 (d -> 256), the classifier reading
 the projection): build the model with ``--model-opt projection_dim=256``.
@@ -82,12 +84,22 @@ class Moon(LocalRegAlgorithm):
             for p in net.parameters():
                 p.requires_grad_(False)
             self.frozen[name] = (net, FlatModel(net))
+        self._frozen_global_kept = False  # whether frozen "global" holds a device's kept model
 
     def round_begin(self, rnd):
         self.frozen["global"][1].load_(self.global_state)
+        self._frozen_global_kept = False  # the frozen "global" network holds the round's global model
 
     def download(self, ctx):
         super().download(ctx)
+        # The positive pair is the model the device starts from: a device whose broadcast was
+        # lost (channel model) never received the global model and contrasts with the one it
+        # kept. Reloaded only around such a device, so runs without a channel copy nothing.
+        anchor = self.anchor_state(ctx)
+        kept = anchor is not self.global_state
+        if kept or self._frozen_global_kept:
+            self.frozen["global"][1].load_(anchor)
+            self._frozen_global_kept = kept
         previous = ctx.load_state()
         ctx.extra["has_previous"] = previous is not None
         if previous is not None:

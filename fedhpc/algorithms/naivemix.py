@@ -114,7 +114,7 @@ class NaiveMix(Algorithm):
             ybar = ysel.to(xbar.dtype)
             yin = self.space.labels(y, xbar.dtype)
             loss = self.mix_loss(self.space.f(model), xin, yin, xbar, ybar, self.options.lam)
-        return add_proximal_term(loss, self, model, self.options.prox_mu)
+        return add_proximal_term(loss, self, model, self.options.prox_mu, ctx)
 
     # ------------------------------------------------------------ K clients at once (fedhpc.batched)
     def batched_mix_loss(self, forward, x, y, xbar, ybar, lam, weight):
@@ -156,4 +156,4 @@ class NaiveMix(Algorithm):
                 loss = torch.where(has_t, loss, weighted_task_loss(group.forward(x), y, weight))
         if self.options.prox_mu == 0:
             return loss
-        return loss + proximal_terms(group, self.global_state, self.options.prox_mu)
+        return loss + proximal_terms(group, self, self.options.prox_mu)  # per-client anchors
