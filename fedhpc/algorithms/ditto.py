@@ -13,11 +13,18 @@ starts as the global model it first receives. ``--lam`` (official default 1).
 
 The personalised model (evaluation) is v_k. A cold-start client trains v from the final
 global model on h_k for ``--finetune-epochs`` epochs.
+
+The engine's non-finite guard (NonFiniteLossError) reads the round's training loss
+(``ctx.loss_sum``), which reports the global model's loss alone. The personal steps' losses and
+the trained v_k enter it times 0: the reported loss is unchanged while both are finite, and a
+diverging v_k (e.g. lam * lr > 2 on the proximal term) makes it NaN, so the round fails instead
+of storing and evaluating a NaN personal model.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +44,8 @@ class DittoOptions(PersonalOptions):
 
     def validate(self):
         super().validate()
-        if not self.lam >= 0:
-            raise ConfigError(f"--lam must be >= 0, got {self.lam}")
+        if not (math.isfinite(self.lam) and self.lam >= 0):
+            raise ConfigError(f"--lam must be a finite number >= 0, got {self.lam}")
         if self.personal_steps < 1:
             raise ConfigError(f"--personal-steps must be >= 1, got {self.personal_steps}")
 
@@ -60,11 +67,13 @@ class Ditto(PersonalAlgorithm):
         mine = ctx.load_state()
         self.personal_flat.load_(self.global_state if mine is None else mine)
 
-    def personal_step(self, x, y, opt, anchor) -> None:
-        """One step on h_k: grad F_k(v) + lam (v - w^t), where ``anchor`` are w^t's parameters."""
+    def personal_step(self, x, y, opt, anchor) -> torch.Tensor:
+        """One step on h_k: grad F_k(v) + lam (v - w^t), where ``anchor`` are w^t's parameters;
+        returns the (detached) task loss F_k(v) before the step."""
         net = self.personal_net
         opt.zero_grad(set_to_none=True)
-        task_loss(net(x), y).backward()
+        loss = task_loss(net(x), y)
+        loss.backward()
         with torch.no_grad():
             for p, w in zip(net.parameters(), anchor):
                 if p.grad is not None:
@@ -72,20 +81,30 @@ class Ditto(PersonalAlgorithm):
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(list(net.parameters()), self.cfg.grad_clip)
         opt.step()
+        return loss.detach()
 
     def local_update(self, model, ctx):
         self.personal_net.train(model.training)
         anchor = self.flat.param_views(self.global_state)
         popt = fresh_optimizer(self.cfg, self.personal_net.parameters(), ctx.lr)
+        personal_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
         def personal_steps_then_global_loss(model, x, y, ctx):
             # each mini-batch: the personal model's steps on h_k first, then the global model's
-            # step on the same batch (Ditto Alg. 1); only the global loss is recorded
+            # step on the same batch (Ditto Alg. 1); only the global loss is recorded, the
+            # personal losses add up on the device (no sync per step) for the guard below
             for _ in range(self.options.personal_steps):
-                self.personal_step(x, y, popt, anchor)
+                personal_sum.add_(self.personal_step(x, y, popt, anchor))
             return self.loss(model, x, y, ctx)
 
         self.train_epochs(model, ctx, self.cfg.local_epochs, loss_fn=personal_steps_then_global_loss)
+        # The engine's non-finite guard reads ctx.loss_sum (one sync per client, in the engine).
+        # Fold the personal side into it times 0: + 0 while finite (the reported loss is the global
+        # model's, unchanged), NaN (NaN * 0 and inf * 0 are both NaN) once v_k diverged. The
+        # trained v_k itself joins (max |v|: finite iff every entry is, NaN propagates), as its
+        # last step can overflow after the last finite loss.
+        personal_sum.add_(self.personal_flat.flat.detach().abs().amax().double())
+        ctx.loss_sum.add_(personal_sum.mul_(0.0))
 
     def upload(self, model, ctx):
         ctx.save_state(self.personal_flat.flat)

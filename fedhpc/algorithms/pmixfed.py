@@ -67,8 +67,28 @@ from .personal import PersonalAlgorithm, PersonalOptions
 
 
 def mix_factor(acc: float, delta: float, b: float = 2.0) -> float:
-    """Eq. 5: mu = 1 - 1 / (1 + exp(-delta (acc^b - 1))), evaluated without overflow."""
-    z = delta * (acc ** b - 1.0)            # mu = 1 - sigmoid(z) = sigmoid(-z)
+    """Eq. 5: mu = 1 - 1 / (1 + exp(-delta (acc^b - 1))), evaluated without overflow.
+
+    Where acc^b lies beyond the float range (the broadcast's ratio is capped at 1e6, so b >= ~52
+    reaches it, and Python's ``**`` raises OverflowError), z = delta (acc^b - 1) ~ delta acc^b is
+    taken through its logarithm, log|delta| + b log(acc), and is +-inf where that overflows too:
+    mu = sigmoid(-inf) = 0 for delta > 0 (the limit), and mu = 0.5 for delta = 0 (the first
+    round), as for every finite acc^b. A finite acc^b takes the same operations as ever."""
+    try:
+        power = acc ** b
+    except OverflowError:
+        power = math.inf
+    if power == math.inf:
+        if delta == 0:
+            z = 0.0
+        else:
+            log_z = math.log(abs(delta)) + b * math.log(acc)   # acc^b - 1 = acc^b at this size
+            try:
+                z = math.copysign(math.exp(log_z), delta)
+            except OverflowError:
+                z = math.copysign(math.inf, delta)
+    else:
+        z = delta * (power - 1.0)           # mu = 1 - sigmoid(z) = sigmoid(-z)
     if z >= 0:
         e = math.exp(-z)
         return e / (1.0 + e)
