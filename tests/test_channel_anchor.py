@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -206,3 +207,38 @@ def test_engine_rounds_with_clients_at_once_equal_sequential_for_fedprox_with_a_
         for key in ("uplink_outages", "downlink_outages", "bytes_up", "bytes_down"):
             assert a[key] == b[key], key
     assert float((seq.global_state - bat.global_state).abs().max()) <= 3 * TOL
+
+
+# ----------------------------------------------------------------------------- personalised methods
+
+def test_ditto_pulls_a_device_that_kept_its_model_towards_that_model(monkeypatch):
+    eng, kept = after_lost_broadcast("--algo", "ditto", "--num-clients", "2", "--clients-per-round", "2",
+                                     "--lam", "1.0")
+    rnd = begin_round(eng, 1)
+    seen = []
+    real = eng.algo.personal_step
+    monkeypatch.setattr(eng.algo, "personal_step",
+                        lambda x, y, opt, anchor: (seen.append([a.clone() for a in anchor]), real(x, y, opt, anchor))[1])
+    for cid in (0, 1):
+        ctx = download(eng, rnd, cid)
+        seen.clear()
+        eng.algo.local_update(eng.model, ctx)
+        want = eng.flat.param_views(kept[cid])
+        assert seen and all(torch.equal(a, w) for a, w in zip(seen[0], want)), "w^t as the device holds it"
+
+
+@pytest.mark.parametrize("algo", ["fedper", "fedbabu", "per_fedavg"])
+def test_split_and_fine_tuned_methods_evaluate_from_the_model_a_device_kept(algo):
+    """A device that missed the broadcast holds its own shared layers: FedPer's evaluated model is
+    that model (its personal part the stored one, which equals it), FedBABU's off the fine-tuning
+    rounds is it too, and Per-FedAvg's adaptation starts from it."""
+    eng, kept = after_lost_broadcast("--algo", algo, "--num-clients", "3", "--clients-per-round", "2",
+                                     "--client-test-fraction", "0.2")
+    for cid, state in kept.items():
+        if algo != "per_fedavg":  # which adapts from it (the start is checked below)
+            assert torch.equal(eng.algo.client_model(cid), state), (algo, cid)
+        start = eng.algo.personalise_for_evaluation(cid, lambda model, ctx: None)
+        assert torch.equal(start, state), (algo, cid)
+    fresh = next(cid for cid in range(3) if cid not in kept)
+    start = eng.algo.personalise_for_evaluation(fresh, lambda model, ctx: None)
+    assert torch.equal(start, eng.global_state.to(start.dtype)), algo

@@ -340,6 +340,12 @@ class Algorithm:
         store; the default is the model the device was left with after a downlink outage
         (see the channel model in the engine), else the global model.
         """
+        return self.kept_model(cid)
+
+    def kept_model(self, cid: int) -> Optional[torch.Tensor]:
+        """The flat model device ``cid`` kept when the last broadcast did not reach it (channel
+        model), or None: the model it holds is the global one. What a device would evaluate or
+        fine-tune from starts there."""
         return self.client_state.get_slot(cid, "device_model") if self.channel_active else None
 
     # ---------------------------------------------------------------- server-side hooks

@@ -65,7 +65,9 @@ class Ditto(PersonalAlgorithm):
     def download(self, ctx):
         super().download(ctx)
         mine = ctx.load_state()
-        self.personal_flat.load_(self.global_state if mine is None else mine)
+        # v_k starts as the global model the device first receives: the model it kept if the
+        # broadcast was lost (channel model), which also anchors the pull below (anchor_state)
+        self.personal_flat.load_(self.anchor_state(ctx) if mine is None else mine)
 
     def personal_step(self, x, y, opt, anchor) -> torch.Tensor:
         """One step on h_k: grad F_k(v) + lam (v - w^t), where ``anchor`` are w^t's parameters;
@@ -85,7 +87,7 @@ class Ditto(PersonalAlgorithm):
 
     def local_update(self, model, ctx):
         self.personal_net.train(model.training)
-        anchor = self.flat.param_views(self.global_state)
+        anchor = self.flat.param_views(self.anchor_state(ctx))  # w^t as this device received it
         popt = fresh_optimizer(self.cfg, self.personal_net.parameters(), ctx.lr)
         personal_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 

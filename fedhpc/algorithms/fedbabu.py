@@ -72,7 +72,7 @@ class FedBABU(PersonalAlgorithm):
 
     def client_model(self, cid):
         if not (self.options.finetune_every_eval or self.final_evaluation):
-            return None
+            return self.kept_model(cid)  # the global model, or the one a device kept (channel model)
         return self.personalise_for_evaluation(cid, self.fine_tune)
 
     def adapt(self, model, ctx):

@@ -268,7 +268,8 @@ class PersonalAlgorithm(Algorithm):
         data (gradients on, training mode, seeded like a client's round); returns a copy."""
         ctx = self.evaluation_context(cid)
         was_training = self.model.training
-        self.flat.load_(self.global_state)
+        kept = self.kept_model(cid)  # a device that missed the last broadcast tunes the model it kept
+        self.flat.load_(self.global_state if kept is None else kept)
         seed_torch(derive_seed(self.cfg.seed, "personalise", ctx.round.index, cid), self.device)
         with torch.enable_grad():
             self.model.train()
@@ -340,9 +341,10 @@ class PartialAlgorithm(PersonalAlgorithm):
 
     def client_model(self, cid):
         mine = self.client_state.get_slot(cid, "algo")
+        kept = self.kept_model(cid)  # a device that missed the last broadcast holds its own shared part
         if mine is None:
-            return None
-        return self.personal.scatter_(self.global_state.clone(), mine)
+            return kept
+        return self.personal.scatter_((self.global_state if kept is None else kept).clone(), mine)
 
     def personal_modules(self) -> List[nn.Module]:
         return self.modules_of(self.personal.layers)
