@@ -20,8 +20,9 @@ from fedhpc.algorithms import ClientContext, RoundInfo
 from fedhpc.algorithms.base import derive_seed, seed_torch
 from fedhpc.batched import ClientGroup, check_batchable, stacked_params, train_in_groups, vmap_forward
 from fedhpc.config import parse_args
-from fedhpc.engine import Engine, sample_clients
+from fedhpc.engine import Engine
 from fedhpc.world import World
+from test_batched import round_info  # what Engine.run_round does before its client loop
 
 BASE = ["--dataset", "digits", "--model", "mlp", "--lr", "0.1", "--seed", "2", "--threads", "1", "--quiet",
         "--no-tensorboard", "--client-test-fraction", "0", "--channel", "symmetric",
@@ -48,18 +49,6 @@ def after_lost_broadcast(*argv):
     return eng, kept
 
 
-def begin_round(eng, t):
-    """What Engine.run_round does before its client loop (all clients on this one rank)."""
-    cfg = eng.cfg
-    sampled = sample_clients(cfg.seed, t, eng.data.num_clients, cfg.clients_per_round)
-    rnd = RoundInfo(t, sampled, sampled, cfg.lr * cfg.lr_decay ** t)
-    eng.algo.global_state = eng.global_state
-    eng.algo.ledger.reset()
-    eng.algo.round_begin(rnd)
-    eng.model.train()
-    return rnd
-
-
 def download(eng, rnd, cid):
     """The engine's per-client start: the global model in ``flat``, then the algorithm's download."""
     seed_torch(derive_seed(eng.cfg.seed, "client", rnd.index, cid), eng.world.device)
@@ -81,7 +70,7 @@ def test_fedprox_is_anchored_at_the_model_a_device_kept():
                                      "--clients-per-round", "2", "--batch-size", "4096", "--local-epochs", "5",
                                      "--lr", "0.5")
     algo, model, n = eng.algo, eng.model, eng.flat.num_params
-    rnd = begin_round(eng, 1)
+    rnd = round_info(eng, 1)
     for cid in (0, 1):
         ctx = download(eng, rnd, cid)
         assert torch.equal(eng.flat.flat, kept[cid]), "the device starts from the model it kept"
@@ -156,7 +145,7 @@ def test_batched_fedprox_uses_each_devices_own_anchor():
     check_batchable(bat_eng.algo, bat_eng.model, bat_eng.cfg)
 
     # sequential: the engine's loop body, one client at a time
-    rnd = begin_round(seq_eng, 1)
+    rnd = round_info(seq_eng, 1)
     mixed = [cid in kept for cid in rnd.my_clients]
     assert any(mixed) and not all(mixed), "the check needs both kinds of start in the round"
     start = seq_eng.global_state.clone()
@@ -167,7 +156,7 @@ def test_batched_fedprox_uses_each_devices_own_anchor():
         seq[cid] = (seq_eng.flat.flat.clone(), float(ctx.loss_sum), ctx.samples)
 
     # batched: groups of 4 and 2
-    rnd_b = begin_round(bat_eng, 1)
+    rnd_b = round_info(bat_eng, 1)
     bat, ctxs = {}, []
     for cid, ctx, _, _ in train_in_groups(bat_eng, rnd_b, rnd_b.my_clients, 4):
         bat[cid] = (bat_eng.flat.flat.clone(), float(ctx.loss_sum), ctx.samples)
@@ -214,7 +203,7 @@ def test_engine_rounds_with_clients_at_once_equal_sequential_for_fedprox_with_a_
 def test_ditto_pulls_a_device_that_kept_its_model_towards_that_model(monkeypatch):
     eng, kept = after_lost_broadcast("--algo", "ditto", "--num-clients", "2", "--clients-per-round", "2",
                                      "--lam", "1.0")
-    rnd = begin_round(eng, 1)
+    rnd = round_info(eng, 1)
     seen = []
     real = eng.algo.personal_step
     monkeypatch.setattr(eng.algo, "personal_step",
