@@ -410,7 +410,8 @@ def test_exchange_download_books_what_the_client_receives(cfg_factory):
             self.booked.append((direction, kind, n))
 
     algo = SimpleNamespace(data=data, comm=OneRank(), cfg=SimpleNamespace(seed=3), device=torch.device("cpu"),
-                           flat=SimpleNamespace(flat=torch.zeros(1)), ledger=Ledger())
+                           flat=SimpleNamespace(flat=torch.zeros(1)), ledger=Ledger(),
+                           training_clients=list(range(data.num_clients)))
     ex = MeanDataExchange(algo, opts)
     ex.round_begin(SimpleNamespace(index=0, sampled=[0, 5]))
     md, entry = ex.means, ex.means.entry_bytes()
@@ -451,7 +452,8 @@ def download_ledger(data, opts, rounds, k, comm=None, seed=3, until=None, state=
 
     comm = comm or OneRank()
     algo = SimpleNamespace(data=data, comm=comm, cfg=SimpleNamespace(seed=seed), device=torch.device("cpu"),
-                           flat=SimpleNamespace(flat=torch.zeros(1)), ledger=SimpleNamespace(add=lambda *a: None))
+                           flat=SimpleNamespace(flat=torch.zeros(1)), ledger=SimpleNamespace(add=lambda *a: None),
+                           training_clients=list(range(data.num_clients)))
     ex = MeanDataExchange(algo, opts)
     if state is not None:
         ex.load_state_dict(state)
