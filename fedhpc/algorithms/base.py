@@ -222,6 +222,13 @@ class Algorithm:
         #: every device up front (mean data, seeds, encoded uploads) collect from these alone.
         self.training_clients: List[int] = list(range(data.num_clients))
 
+    def hosted_training_clients(self) -> List[int]:
+        """The training clients whose up-front exchange (seeds, shared samples, encoded uploads)
+        this rank computes: client c on rank c % size, as the mean-data exchange deals them
+        (``exchanges.mean_data.owner_rank``); cold-start clients take part in none."""
+        training = set(self.training_clients)
+        return [c for c in range(self.comm.rank, self.data.num_clients, self.comm.size) if c in training]
+
     # ---------------------------------------------------------------- round-level hooks
     def setup(self) -> None:
         """Called once on every rank after construction (collectives allowed)."""

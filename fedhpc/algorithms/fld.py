@@ -153,9 +153,7 @@ class FLD(Algorithm):
             return
         # Collective, once (also on a resumed run, which rebuilds the same seeded sets).
         comm = self.comm
-        training = set(self.training_clients)  # a cold-start device sends no seeds
-        local = {cid: self.make_seeds(cid) for cid in range(comm.rank, self.data.num_clients, comm.size)
-                 if cid in training}
+        local = {cid: self.make_seeds(cid) for cid in self.hosted_training_clients()}
         collected = self.collected = collect_seeds(comm, local)
         for cid in range(self.data.num_clients):
             self.seed_bytes[cid] = self.seeds_of(range(cid, cid + 1)).wire_bytes()

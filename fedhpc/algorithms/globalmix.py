@@ -92,11 +92,8 @@ class GlobalMix(Algorithm):
     def _gather_pool(self) -> int:
         data, comm, o = self.data, self.comm, self.options
         xs, metas = [], []
-        training = set(self.training_clients)  # a cold-start client shares nothing
-        for cid in range(comm.rank, data.num_clients, comm.size):
+        for cid in self.hosted_training_clients():  # a cold-start client shares nothing
             assert owner_rank(cid, comm.size) == comm.rank
-            if cid not in training:
-                continue
             c = data.client(cid)
             idx = torch.arange(c.num_train)
             if o.raw_per_client and o.raw_per_client < c.num_train:

@@ -476,8 +476,7 @@ class EncodedUploads(OneShotServer):
         comm, o = self.comm, self.options
         deficits = balance_deficits(self.server_counts())
         targets = sorted(deficits)
-        training = set(self.training_clients)  # a cold-start client uploads nothing
-        mine = [cid for cid in range(comm.rank, self.data.num_clients, comm.size) if cid in training]
+        mine = self.hosted_training_clients()  # a cold-start client uploads nothing
         held = {cid: sorted(set(self.data.client(cid).y.tolist()) & set(targets)) for cid in mine}
         holders: Dict[int, List[int]] = {t: [] for t in targets}
         for part in comm.all_gather_object(held):
