@@ -391,7 +391,7 @@ def reads_files_from_data_dir(cfg: RunConfig, data_opts: Any) -> bool:
     folder under --data-dir (``require_data_dir``); a ``file`` option (imagenet200) given as an
     absolute path needs no --data-dir either. The embedded and generated ones (digits, synthetic)
     read none."""
-    from ..data.readers.common import StoreOptions
+    from ..data.readers.options import StoreOptions
 
     if str(cfg.data_dir or "") or not isinstance(data_opts, StoreOptions) or data_opts.dir:
         return False

@@ -38,17 +38,19 @@ Storage: ``store=memory`` keeps the pool in RAM (:class:`ArrayFederatedData`);
 ``store_threshold_mb``.
 """
 
-# One module per family of formats; importing them registers their datasets. Option classes,
-# the reader base and the helpers every reader shares are in ``common``.
-from .common import (  # noqa: F401  (re-exported: option classes and constants users import from here)
+# One module per family of formats; importing them registers their datasets. Option classes
+# are in ``options``; the reader base and the helpers every reader shares in ``common``.
+from .common import (  # noqa: F401  (re-exported: constants users import from here)
     CIFAR10_STATS, CIFAR100_STATS, DEFAULT_MODELS, EMNIST_STATS, FMNIST_STATS, IMAGENET_STATS, MIN_CLIENT_SAMPLES,
-    MNIST_STATS, SHAKESPEARE_VOCAB, Cifar10Options, Cifar100Options, Cifar100TffOptions, EmnistOptions,
-    FemnistOptions, FmnistOptions, Imagenet200Options, MnistOptions, NaturalReader, Pool, Reader,
-    ShakespeareOptions, StoreOptions, assemble, char_sequences, encode_chars,
+    MNIST_STATS, SHAKESPEARE_VOCAB, NaturalReader, Pool, Reader, assemble, char_sequences, encode_chars,
 )
 from .images import (  # noqa: F401
     Cifar100Reader, CifarReader, EmnistReader, FmnistReader, IdxReader, MnistReader, build_cifar10,
     build_cifar100, build_emnist, build_fmnist, build_mnist,
+)
+from .options import (  # noqa: F401  (re-exported: option classes users import from here)
+    Cifar10Options, Cifar100Options, Cifar100TffOptions, EmnistOptions, FemnistOptions, FmnistOptions,
+    Imagenet200Options, MnistOptions, ShakespeareOptions, StoreOptions,
 )
 from .imagenet import Imagenet200Reader, build_imagenet200  # noqa: F401
 from .natural import (  # noqa: F401

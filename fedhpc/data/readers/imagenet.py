@@ -10,10 +10,8 @@ import numpy as np
 from ...errors import ConfigError, DataError
 from ..formats import IMAGENET, missing, open_h5_readonly
 from ..prepare import PREPARED_FORMAT
-from .common import (
-    IMAGENET_STATS, Imagenet200Options, Pool, Reader, check_labels, image_transform, register_reader,
-    require_data_dir,
-)
+from .common import IMAGENET_STATS, Pool, Reader, check_labels, image_transform, register_reader, require_data_dir
+from .options import Imagenet200Options
 
 
 # --------------------------------------------------------------------------- ImageNet subset

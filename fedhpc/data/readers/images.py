@@ -12,10 +12,10 @@ from ..formats import (
     read_cifar100, read_idx_header, read_idx_images_labels,
 )
 from .common import (
-    CIFAR100_STATS, CIFAR10_STATS, Cifar100Options, Cifar10Options, EMNIST_STATS, EmnistOptions,
-    FMNIST_STATS, FmnistOptions, MNIST_STATS, MnistOptions, Pool, Reader, EMNIST_CLASSES, check_labels,
+    CIFAR100_STATS, CIFAR10_STATS, EMNIST_STATS, FMNIST_STATS, MNIST_STATS, Pool, Reader, check_labels,
     image_transform, register_reader, require_data_dir,
 )
+from .options import EMNIST_CLASSES, Cifar100Options, Cifar10Options, EmnistOptions, FmnistOptions, MnistOptions
 
 
 # --------------------------------------------------------------------------- IDX datasets

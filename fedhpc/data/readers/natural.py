@@ -17,10 +17,10 @@ from ..formats import (
 )
 from ..store import ArrayClients, StreamedClients
 from .common import (
-    CIFAR100_STATS, Cifar100TffOptions, EMNIST_STATS, FemnistOptions, NaturalReader, SHAKESPEARE_VOCAB,
-    ShakespeareOptions, checked_options, assemble, char_sequences, check_labels, encode_chars, image_transform,
-    pixels_to_uint8, require_data_dir,
+    CIFAR100_STATS, EMNIST_STATS, NaturalReader, SHAKESPEARE_VOCAB, checked_options, assemble, char_sequences,
+    check_labels, encode_chars, image_transform, pixels_to_uint8, require_data_dir,
 )
+from .options import Cifar100TffOptions, FemnistOptions, ShakespeareOptions
 
 
 # --------------------------------------------------------------------------- natural datasets
