@@ -415,6 +415,30 @@ def test_flags_that_change_the_files_setting_drop_its_reference(tmp_path, capsys
         assert cfg.lr == 0.05 and cfg.reference and capsys.readouterr().err == "", extra
 
 
+def test_rounds_drop_a_reference_only_for_an_algorithm_whose_updates_read_them(tmp_path, capsys):
+    """pMixFed's schedule reads the total rounds (identity_settings, which its checkpoints hold):
+    the pMixFed table file at --rounds 20 is another setting than the row's T = 100, so the row is
+    dropped and said. FedAvg's rounds only say how long the same setting runs: kept."""
+    from fedhpc.config import identity_changes
+
+    capsys.readouterr()
+    cfg, _, _ = parse_args(["--config", PMIXFED_TABLE_FILE, "--rounds", "20"])
+    assert cfg.rounds == 20 and cfg.reference == {}
+    assert "its reference (pMixFed, CIFAR-10, CNN, N=10, C=100%) describes the file's rounds and is dropped" \
+        in capsys.readouterr().err
+    for extra in (["--rounds", "100"], ["--seed", "2"]):  # the file's own value, and the seed: kept
+        cfg, _, _ = parse_args(["--config", PMIXFED_TABLE_FILE] + extra)
+        assert cfg.reference and capsys.readouterr().err == "", extra
+    path = write(tmp_path, "ref.yaml", "algo: fedavg\nrounds: 100\nreference: {row: FedAvg row}\n")
+    cfg, _, _ = parse_args(["--config", path, "--rounds", "20"])
+    assert cfg.reference and capsys.readouterr().err == ""
+    # spelled as the launcher reads it; another algorithm is named alone (its rounds belong to it)
+    assert identity_changes({"algo": "pmixfed", "rounds": 100}, {"algo": "PMixFed", "rounds": "100"}) == []
+    assert identity_changes({"algo": "pmixfed"}, {"algo": "pmixfed", "rounds": 30}) == ["rounds"]  # default 20
+    assert identity_changes({"algo": "pmixfed", "rounds": 100}, {"algo": "fedavg", "rounds": 20}) == ["algo"]
+    assert identity_changes({"algo": "pmixfed_dynamic", "rounds": 100}, {"algo": "pmixfed_dynamic", "rounds": 20}) == []
+
+
 def test_algo_flag_does_not_carry_over_an_option_that_means_another_thing(capsys):
     """Mix2FLD's server_lr is its server trainer's learning rate; FedAvg's is the step on the
     averaged update (1.0 = plain FedAvg): --algo fl on the Mix2FLD file must not step by 0.05."""

@@ -609,3 +609,16 @@ def test_the_mix2fld_sweeps_label_only_the_points_of_their_rows_setting(monkeypa
     assert all(p.axes == {"algo_options.seeds_per_device": 50, "algo_options.inverse_per_device": 100,
                           "algo": "mix2fld", "partition": "skewed:2:1:13", "channel": "asymmetric",
                           "seed": p.axes["seed"]} for p in with_row)
+
+
+def test_a_rounds_axis_drops_the_reference_of_a_pmixfed_file_only(tmp_path):
+    """A sweep axis over rounds changes pMixFed's schedule (its identity_settings), so those points are
+    not the file's row; FedAvg's points over rounds keep theirs, as the launcher judges them."""
+    launch = tmp_path / "l.yaml"
+    ref = {"paper": "P", "row": "pMixFed row", "value": 1.0}
+    for algo in ("pmixfed", "fedavg"):
+        launch.write_text(yaml.safe_dump({**TINY, "algo": algo, "rounds": 5, "reference": ref}))
+        path = write_grid(tmp_path, {"config": str(launch), "axes": {"rounds": [5, 2, 3]}}, f"{algo}.yaml")
+        points = expand(load_grid(path))
+        assert [bool(p.settings.get("reference")) for p in points] == ([True, False, False] if algo == "pmixfed"
+                                                                        else [True, True, True]), algo
