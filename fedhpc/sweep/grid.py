@@ -308,14 +308,22 @@ def run_hash(settings: Dict[str, Any]) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:8]
 
 
-def identity_differences(p: Point, saved: Dict[str, Any]) -> List[str]:
+#: how :func:`identity_differences` begins the line of a run dealt under other partition rules
+#: (the sweep's fix for it differs: no setting in the grid restores that split)
+PARTITION_RULES_DIFFER = "partition_rules:"
+
+
+def identity_differences(p: Point, saved: Dict[str, Any], recorded: Optional[Dict[str, Any]] = None) -> List[str]:
     """The identity settings that the run whose config.yaml reads ``saved`` (the engine writes every
     RunConfig field there) does not share with the validated point ``p``: "nesterov: the run has
     False, this point True". Only the settings the id does not hash are compared: those it hashes
     (as written) are the point's by the id itself, and the engine may have resolved them since (a
     full participation under --cold-start-fraction). Both sides are read as the checkpoint reads
     them (fedhpc.checkpoint.canonical_identity), so spellings and defaults are not differences;
-    a field missing from an older config.yaml is its default, as the engine assumes on resume."""
+    a field missing from an older config.yaml is its default, as the engine assumes on resume.
+    What the identity holds besides RunConfig fields (``partition_rules``) is the run's
+    ``recorded`` identity's (fedhpc.checkpoint.recorded_identity; a key it lacks: recorded before
+    it existed); with none recorded, today's, as config.yaml alone could tell."""
     from ..checkpoint import canonical_identity
 
     if p.config is None:
@@ -325,9 +333,16 @@ def identity_differences(p: Point, saved: Dict[str, Any]) -> List[str]:
     hashed = set(RunConfig.IDENTITY) | set(algorithm_identity_settings(p.settings.get("algo", RunConfig.algo)))
     # what a checkpoint of each must agree on, as the engine's _identity builds it
     then, now = (canonical_identity(c.identity(algorithm_identity_settings(c.algo))) for c in (run_cfg, p.config))
+    if recorded is not None:
+        then.update({k: recorded.get(k) for k in set(then) - names})
     out = []
     for k in sorted((set(then) | set(now)) - hashed):
-        if then.get(k) != now.get(k):
+        if k == "partition_rules" and then.get(k) != now.get(k):
+            rules = then.get(k) if then.get(k) is not None else "from before they were recorded"
+            out.append(f"{PARTITION_RULES_DIFFER} the run's partition {run_cfg.partition!r} was dealt under partition "
+                       f"rules {rules}, this point's under rules {now.get(k)}, which may deal another split "
+                       f"(fedhpc/data/partition.py's PARTITION_RULES)")
+        elif then.get(k) != now.get(k):
             # a RunConfig field is shown as set (nesterov False), not as the identity holds it (absent)
             a, b = (getattr(c, k) if k in names else d.get(k) for c, d in ((run_cfg, then), (p.config, now)))
             out.append(f"{k}: the run has {a!r}, this point {b!r}")
