@@ -238,6 +238,41 @@ def canonical_identity(identity: Dict[str, Any], auto_means: Optional[Dict[str, 
     return out
 
 
+#: the run's checkpoint identity, written by the engine into --out at the start of every attempt
+#: (after a resume's checkpoint check passed): config.yaml holds the RunConfig fields only, not what
+#: the identity adds to them (``partition_rules``), which the sweep must compare for a finished run
+IDENTITY_FILE = "identity.json"
+
+
+def recorded_identity(out: str) -> Optional[Dict[str, Any]]:
+    """The identity the run in ``out`` was made with: its :data:`IDENTITY_FILE`; for a run written
+    before the engine wrote one, the identity its LATEST checkpoint holds (every finished run with
+    --out checkpoints its last round); None when neither can be read (a run without either is
+    taken as made under today's rules, as it always was). A hand-broken IDENTITY_FILE raises
+    CheckpointError naming it and the fix."""
+    path = os.path.join(out, IDENTITY_FILE)
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                identity = json.load(f)
+            if not isinstance(identity, dict):
+                raise ValueError(f"holds {type(identity).__name__}, not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{path} cannot be read ({e}); the engine writes it at the start of a run: "
+                                  f"delete it to have the run's checkpoint read instead, or delete {out} to run "
+                                  f"it again")
+        return identity
+    directory = latest(out)
+    if directory is None:
+        return None
+    try:  # mmap: the identity without reading the model's tensors
+        body = torch.load(os.path.join(directory, "server.pt"), map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - missing or damaged: a resume finds out and says so
+        return None
+    identity = body.get("identity") if isinstance(body, dict) else None
+    return identity if isinstance(identity, dict) else None
+
+
 def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, Any],
                     auto_means: Optional[Dict[str, str]] = None) -> None:
     saved, now = canonical_identity(body.get("identity") or {}, auto_means), canonical_identity(identity, auto_means)

@@ -432,13 +432,29 @@ def _same_meaning(old_cls, new_cls, name: str) -> bool:
 OPTION_OWNERS = {"algo_options": "algo", "data_options": "dataset", "model_options": "model"}
 
 
+def algorithm_identity_settings(algo: Any) -> Tuple[str, ...]:
+    """``identity_settings`` of the algorithm named ``algo`` (the settings its updates read beyond
+    RunConfig.IDENTITY: pMixFed's schedule reads ``rounds``); () for a name the registry does not
+    know (the launcher refuses it, naming it)."""
+    from .algorithms import ALGORITHMS, load_algorithm_modules
+
+    load_algorithm_modules()
+    try:
+        return tuple(ALGORITHMS.get(ALGORITHMS.canonical(algo)).identity_settings)
+    except (ConfigError, TypeError):
+        return ()
+
+
 def identity_changes(layer: Dict[str, Any], final: Dict[str, Any]) -> List[str]:
-    """The identity settings (:attr:`RunConfig.IDENTITY` but ``seed``) to which ``final`` gives
-    another meaning than ``layer``, in IDENTITY's order: a paper's ``reference`` written in a layer
-    of settings (a config file; a sweep's config file and base) describes that layer's setting, so
-    a run whose later layer (command-line flags; a sweep point's axes) changes one of these is not
-    the reference's run. ``seed`` is no change of setting (a paper's row averages over seeds), nor
-    is anything outside IDENTITY (rounds, cadence, threads, out, data_dir).
+    """The identity settings (:attr:`RunConfig.IDENTITY` but ``seed``, then the algorithm's
+    ``identity_settings``) to which ``final`` gives another meaning than ``layer``, in that order:
+    a paper's ``reference`` written in a layer of settings (a config file; a sweep's config file
+    and base) describes that layer's setting, so a run whose later layer (command-line flags; a
+    sweep point's axes) changes one of these is not the reference's run. ``seed`` is no change of
+    setting (a paper's row averages over seeds), nor is anything else outside IDENTITY (cadence,
+    threads, out, data_dir), nor ``rounds`` unless the algorithm's updates read it (pMixFed's
+    schedule: its identity_settings, which a checkpoint's identity holds too; FedAvg's rounds only
+    say how long the same setting runs).
 
     Both are settings mappings as a YAML file writes them; a key that is not set is RunConfig's
     default. Values are read as the launcher reads them (a scalar converted to its field's type,
@@ -451,10 +467,14 @@ def identity_changes(layer: Dict[str, Any], final: Dict[str, Any]) -> List[str]:
 
     hints = get_type_hints(RunConfig)
     defaults = RunConfig()
+    # the settings of either side's algorithm: when the algorithm itself changes, that is named alone
+    extra = [k for algo in (layer.get("algo", defaults.algo), final.get("algo", defaults.algo))
+             for k in algorithm_identity_settings(algo) if k not in RunConfig.IDENTITY]
+    names = [*RunConfig.IDENTITY, *dict.fromkeys(extra)]
 
     def read(values: Dict[str, Any]) -> Dict[str, Any]:
         out = {}
-        for k in RunConfig.IDENTITY:
+        for k in names:
             v = values.get(k, getattr(defaults, k))
             if hints[k] in (int, float, str, bool):
                 try:
@@ -469,8 +489,8 @@ def identity_changes(layer: Dict[str, Any], final: Dict[str, Any]) -> List[str]:
         return canonical_identity(json.loads(json.dumps(out, default=str)))
 
     then, now = read(layer), read(final)
-    changed = [k for k in RunConfig.IDENTITY if k != "seed" and then[k] != now[k]]
-    return [k for k in changed if OPTION_OWNERS.get(k) not in changed]
+    changed = [k for k in names if k != "seed" and then[k] != now[k]]
+    return [k for k in changed if OPTION_OWNERS.get(k) not in changed and not (k in extra and "algo" in changed)]
 
 
 def _reference_row(reference: Dict[str, Any]) -> str:
@@ -652,7 +672,7 @@ def parse_args(argv: Optional[List[str]] = None):
     if cfg.channel != "none":  # the engine builds them again; checked here so a sweep's bad point stops before any runs
         build_options(ChannelOptions, cfg.channel_options, f"channel {cfg.channel!r}")
     # The file's reference is the paper's number for the file's setting: flags that change it
-    # (--algo, --partition, --channel, an option...; not --seed or --rounds) drop it, said once.
+    # (--algo, --partition, --channel, an option...; not --seed, nor --rounds but for pMixFed) drop it, said once.
     said += _reference_for_flags(file_written, cfg)
     if said and launcher_rank() == 0:
         if known.algo and _file_algo(file_written) != algo_name:

@@ -1,4 +1,5 @@
-"""What a run leaves behind while it runs: ``config.yaml``, ``metrics.jsonl`` (one line per
+"""What a run leaves behind while it runs: ``config.yaml``, ``identity.json`` (its checkpoint
+identity: what config.yaml cannot say, such as the partition rules), ``metrics.jsonl`` (one line per
 evaluated round, fsynced), TensorBoard scalars and HParams, and the line per round on stdout.
 
 A mixin of :class:`fedhpc.engine.Engine`, like :mod:`fedhpc.evaluation`: it reads the engine's
@@ -12,7 +13,8 @@ import json
 import os
 from typing import Dict
 
-from .io import atomic_write_text, raise_disk_error
+from .checkpoint import IDENTITY_FILE
+from .io import atomic_write_json, atomic_write_text, raise_disk_error
 
 
 class RunLog:
@@ -28,6 +30,9 @@ class RunLog:
         os.makedirs(cfg.out, exist_ok=True)
         import yaml
         atomic_write_text(os.path.join(cfg.out, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        # what config.yaml cannot say (the partition rules the split was dealt under), so that a sweep
+        # can tell a finished run of an older split from its point's; a resume's checkpoint check passed
+        atomic_write_json(os.path.join(cfg.out, IDENTITY_FILE), self._identity())
         path = os.path.join(cfg.out, "metrics.jsonl")
         # On resume keep exactly the rounds the checkpoint covers: the resumed run then
         # appends what the uninterrupted run would have written.

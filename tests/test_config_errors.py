@@ -415,6 +415,30 @@ def test_flags_that_change_the_files_setting_drop_its_reference(tmp_path, capsys
         assert cfg.lr == 0.05 and cfg.reference and capsys.readouterr().err == "", extra
 
 
+def test_rounds_drop_a_reference_only_for_an_algorithm_whose_updates_read_them(tmp_path, capsys):
+    """pMixFed's schedule reads the total rounds (identity_settings, which its checkpoints hold):
+    the pMixFed table file at --rounds 20 is another setting than the row's T = 100, so the row is
+    dropped and said. FedAvg's rounds only say how long the same setting runs: kept."""
+    from fedhpc.config import identity_changes
+
+    capsys.readouterr()
+    cfg, _, _ = parse_args(["--config", PMIXFED_TABLE_FILE, "--rounds", "20"])
+    assert cfg.rounds == 20 and cfg.reference == {}
+    assert "its reference (pMixFed, CIFAR-10, CNN, N=10, C=100%) describes the file's rounds and is dropped" \
+        in capsys.readouterr().err
+    for extra in (["--rounds", "100"], ["--seed", "2"]):  # the file's own value, and the seed: kept
+        cfg, _, _ = parse_args(["--config", PMIXFED_TABLE_FILE] + extra)
+        assert cfg.reference and capsys.readouterr().err == "", extra
+    path = write(tmp_path, "ref.yaml", "algo: fedavg\nrounds: 100\nreference: {row: FedAvg row}\n")
+    cfg, _, _ = parse_args(["--config", path, "--rounds", "20"])
+    assert cfg.reference and capsys.readouterr().err == ""
+    # spelled as the launcher reads it; another algorithm is named alone (its rounds belong to it)
+    assert identity_changes({"algo": "pmixfed", "rounds": 100}, {"algo": "PMixFed", "rounds": "100"}) == []
+    assert identity_changes({"algo": "pmixfed"}, {"algo": "pmixfed", "rounds": 30}) == ["rounds"]  # default 20
+    assert identity_changes({"algo": "pmixfed", "rounds": 100}, {"algo": "fedavg", "rounds": 20}) == ["algo"]
+    assert identity_changes({"algo": "pmixfed_dynamic", "rounds": 100}, {"algo": "pmixfed_dynamic", "rounds": 20}) == []
+
+
 def test_algo_flag_does_not_carry_over_an_option_that_means_another_thing(capsys):
     """Mix2FLD's server_lr is its server trainer's learning rate; FedAvg's is the step on the
     averaged update (1.0 = plain FedAvg): --algo fl on the Mix2FLD file must not step by 0.05."""
@@ -433,6 +457,30 @@ def test_algo_flag_does_not_carry_over_an_option_that_means_another_thing(capsys
     cfg, ao, _ = parse_args(["--config", MIX2FLD_FILE, "--algo", "fld"])
     assert ao.server_lr == 0.05 and ao.seeds_per_device == 50
     assert "server_lr=0.05" in capsys.readouterr().err.split("carried over")[0]
+
+
+XORMIXFL_FILE = os.path.join(REPO, "launch", "xormixfl_digits.yaml")
+
+
+def test_fld_and_the_one_shot_server_trainers_do_not_share_server_lr(capsys):
+    """FLD's server_lr (Mix2FLD, MixFLD) is plain SGD's eta on Eq. 5, K_s steps a round; the one-shot
+    server trainers' (XorMixFL, MixFL) is --server-optimizer's rate, Adam's 1e-3: --algo xormixfl over
+    the Mix2FLD file trained its server with Adam at 0.05, and --algo mix2fld over a XorMixFL file
+    took SGD steps of 0.001. Options of one meaning still carry over (server_batch, a batch size)."""
+    from fedhpc.algorithms.fld import FLDOptions
+    from fedhpc.algorithms.oneshot import EncodingOptions
+
+    capsys.readouterr()
+    _, ao, _ = parse_args(["--config", MIX2FLD_FILE, "--algo", "xormixfl"])
+    assert ao.server_lr == EncodingOptions().server_lr == 0.001 and ao.server_batch == 32
+    assert "server_lr=0.05 not carried over (xormixfl's option of that name means another thing" \
+        in capsys.readouterr().err
+    _, ao, _ = parse_args(["--config", XORMIXFL_FILE, "--algo", "mix2fld"])
+    assert ao.server_lr == FLDOptions().server_lr == 0.01 and ao.server_batch == 256
+    assert "server_lr=0.001 not carried over (mix2fld's option" in capsys.readouterr().err
+    # within each family it is one field: carried over
+    _, ao, _ = parse_args(["--config", XORMIXFL_FILE, "--algo", "mixfl"])
+    assert ao.server_lr == 0.001
 
 
 # --------------------------------------------------------------------------- channel options at parse time
@@ -522,11 +570,11 @@ def test_momentum_with_adam_is_refused_naming_the_fix():
 
 
 #: option names several methods define, where those not marked method_specific mean one thing
-#: (the mixup methods' lam is one mixing ratio; FLD's and the server trainers' server_lr both a
-#: server trainer's learning rate); a name not listed here must be marked on every definition
-#: whose meaning is its method's own
+#: (the mixup methods' lam is one mixing ratio; FLD's and the server trainers' server_batch both a
+#: server trainer's batch size); a name not listed here must be marked on every definition whose
+#: meaning is its method's own (server_lr: FedAvg's step, FLD's SGD eta, the one-shot trainers' Adam rate)
 SHARED_MEANING = {"beta", "finetune_epochs", "lam", "mix_alpha", "prox_mu", "select", "server_batch",
-                  "server_lr", "server_micro_batch", "server_momentum"}
+                  "server_micro_batch", "server_momentum"}
 
 
 def test_every_option_name_shared_by_methods_is_declared_one_meaning_or_method_specific():

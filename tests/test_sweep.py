@@ -609,3 +609,67 @@ def test_the_mix2fld_sweeps_label_only_the_points_of_their_rows_setting(monkeypa
     assert all(p.axes == {"algo_options.seeds_per_device": 50, "algo_options.inverse_per_device": 100,
                           "algo": "mix2fld", "partition": "skewed:2:1:13", "channel": "asymmetric",
                           "seed": p.axes["seed"]} for p in with_row)
+
+
+def test_a_rounds_axis_drops_the_reference_of_a_pmixfed_file_only(tmp_path):
+    """A sweep axis over rounds changes pMixFed's schedule (its identity_settings), so those points are
+    not the file's row; FedAvg's points over rounds keep theirs, as the launcher judges them."""
+    launch = tmp_path / "l.yaml"
+    ref = {"paper": "P", "row": "pMixFed row", "value": 1.0}
+    for algo in ("pmixfed", "fedavg"):
+        launch.write_text(yaml.safe_dump({**TINY, "algo": algo, "rounds": 5, "reference": ref}))
+        path = write_grid(tmp_path, {"config": str(launch), "axes": {"rounds": [5, 2, 3]}}, f"{algo}.yaml")
+        points = expand(load_grid(path))
+        assert [bool(p.settings.get("reference")) for p in points] == ([True, False, False] if algo == "pmixfed"
+                                                                        else [True, True, True]), algo
+
+
+def test_a_finished_run_dealt_under_older_partition_rules_is_refused(tmp_path, capsys, monkeypatch):
+    """The same partition spec may mean another split under older rules (PARTITION_RULES 1: classes:K
+    was a cyclic deal), which a checkpoint's identity holds but config.yaml does not: a finished run
+    made so was skipped by a re-submitted sweep as this point's. The engine now records its identity
+    (identity.json) and the sweep refuses the point, naming the fix; a run written before that file
+    is judged by its last checkpoint, and one with neither is taken as today's, as before."""
+    import shutil
+
+    import fedhpc.data.partition as partition
+    torch.set_num_threads(1)
+    path = write_grid(tmp_path, {"base": {**TINY, "partition": "classes:2"}, "axes": {"seed": [0, 1]}})
+    grid = load_grid(path)
+    runs = tmp_path / "sweep" / "runs"
+    for p in expand(grid):
+        f = tmp_path / f"{p.id}.yaml"
+        f.write_text(point_yaml(grid, p))
+        with monkeypatch.context() as m:
+            if p.index == 0:  # point 0 ran under the rules before today's
+                m.setattr(partition, "PARTITION_RULES", partition.PARTITION_RULES - 1)
+            _run_in_process(str(f), str(runs / p.id))
+    p0, p1 = expand(grid)
+    old = partition.PARTITION_RULES - 1
+    assert json.loads((runs / p0.id / "identity.json").read_text())["partition_rules"] == old
+    assert run_state(str(runs / p0.id), 3).status == "finished"
+    capsys.readouterr()
+
+    def refused():
+        assert sweep_main([path, "--local", "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert "1 point(s) would skip or resume a run made with other settings" in err
+        assert (f"  point 0 (seed-0), {runs / p0.id}: partition_rules: the run's partition 'classes:2' was dealt "
+                f"under partition rules {old}, this point's under rules {partition.PARTITION_RULES}, which may deal "
+                f"another split") in err
+        assert f"delete the folder of a run dealt under other partition rules to run its point again" in err
+        assert "--out DIR" in err and "restore the setting" not in err and p1.id not in err
+
+    refused()
+    # written before runs recorded identity.json: its last checkpoint says the rules
+    (runs / p0.id / "identity.json").unlink()
+    refused()
+    # neither: taken as made under today's rules, as the sweep always took it
+    shutil.rmtree(runs / p0.id / "checkpoints")
+    assert sweep_main([path, "--local", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"{p0.id}: finished (round 3/3) -> skip" in out and f"{p1.id}: finished (round 3/3) -> skip" in out
+    # a hand-broken record: the run cannot be told, a person must look
+    (runs / p1.id / "identity.json").write_text("{")
+    assert sweep_main([path, "--local", "--dry-run"]) == 0
+    assert f"{p1.id}: damaged ({runs / p1.id / 'identity.json'} cannot be read" in capsys.readouterr().out

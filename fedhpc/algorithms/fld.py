@@ -77,7 +77,11 @@ class FLDOptions(SeedSampleOptions):
     beta: float = field(default=0.01, metadata={"help": "weight beta of the distillation term in Eq. 5 (paper 0.01)"})
     server_steps: int = field(default=3200, metadata={"help": "K_s: server SGD iterations per round (paper 3,200)"})
     server_batch: int = field(default=32, metadata={"help": "seed samples per server iteration"})
-    server_lr: float = field(default=0.01, metadata={"help": "server learning rate eta (paper 0.01, as the devices')"})
+    # method_specific: the step size eta of plain SGD on Eq. 5, K_s steps every round; the one-shot
+    # server trainers' (MixFL, XorMixFL, standalone) is --server-optimizer's learning rate, Adam's
+    # 1e-3 by default, so a value chosen for one is 5-50 times off for the other (FedAvg's is a step)
+    server_lr: float = field(default=0.01, metadata={"help": "server learning rate eta (paper 0.01, as the devices')",
+                                                     "method_specific": True})
     server_micro_batch: int = field(default=8, metadata={
         "help": "samples per micro-batch of the data-parallel server step (fixed: results do not depend on ranks)"})
     seed_delivery: str = field(default="always", metadata={

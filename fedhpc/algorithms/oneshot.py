@@ -297,7 +297,10 @@ class ServerTrainingOptions:
 
     server_epochs: int = field(default=100, metadata={"help": "passes over the server's dataset (authors: 100)"})
     server_batch: int = field(default=256, metadata={"help": "server batch size (authors: 256)"})
-    server_lr: float = field(default=0.001, metadata={"help": "server learning rate (Adam's default 1e-3)"})
+    # method_specific: --server-optimizer's learning rate (Adam by default), not FLD's plain-SGD eta
+    # (0.01-0.05 in the Mix2FLD files: as Adam's rate it trains another model) nor FedAvg's step
+    server_lr: float = field(default=0.001, metadata={"help": "server learning rate (Adam's default 1e-3)",
+                                                      "method_specific": True})
     server_optimizer: str = field(default="adam", metadata={"help": "adam (authors) or sgd"})
     server_momentum: float = field(default=0.0, metadata={"help": "SGD momentum of the server"})
     server_weight_decay: float = field(default=0.0, metadata={"help": "server L2 weight decay"})

@@ -11,7 +11,10 @@ Running the same command again skips finished points and resumes the others; it 
 re-submitted while an earlier array of the same sweep is still running (a point would run twice).
 A point whose folder holds a run made with other identity settings than the point's (one the id
 does not hash, such as ``nesterov``) stops the command before anything runs: restore the setting,
-or write the changed grid to another folder (--out, or a new name:).
+or write the changed grid to another folder (--out, or a new name:). So does a run, finished or
+not, whose split was dealt under older partition rules (its identity.json, or for a run written
+before that file its last checkpoint, says which; a run with neither is taken as today's): delete
+its folder to run the point again, or write the sweep to another folder.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import sys
 import time
 from typing import List, Optional
 
+from ..checkpoint import recorded_identity
 from ..errors import CheckpointError, ConfigError, FedHPCError
 from ..io import atomic_write_json, atomic_write_text
-from .grid import Grid, expand, identity_differences, load_grid, point_yaml
+from .grid import PARTITION_RULES_DIFFER, Grid, expand, identity_differences, load_grid, point_yaml
 from .local import launch_command, run_points
 from .slurm import render_array_script, slurm_options, submit
 from .state import RunState, read_config, read_exit_code, run_state
@@ -58,23 +62,33 @@ def plan(grid: Grid, sweep_dir: str):
     sweep that would skip or resume a run made with other settings is refused, every such point
     named."""
     points = expand(grid)
-    planned, differ = [], []
+    planned, differ, kinds = [], [], []
     for p in points:
         run_dir = os.path.join(sweep_dir, "runs", p.id)
         try:
             saved = read_config(run_dir)
+            # config.yaml does not say the partition rules the run was dealt under: its recorded identity does
+            recorded = recorded_identity(run_dir) if saved is not None else None
         except CheckpointError as e:  # its identity cannot be told: a person must look (see state.py)
             planned.append((p, RunState("damaged", 0, p.rounds, read_exit_code(run_dir), str(e))))
             continue
-        diffs = identity_differences(p, saved) if saved is not None else []
+        diffs = identity_differences(p, saved, recorded) if saved is not None else []
+        kinds += diffs
         if diffs:
             differ.append(f"  point {p.index} ({p.label}), {run_dir}: {'; '.join(diffs)}")
         planned.append((p, run_state(run_dir, p.rounds)))
     if differ:
+        fixes = []
+        if any(not d.startswith(PARTITION_RULES_DIFFER) for d in kinds):
+            fixes.append("restore the setting(s) in the grid to continue those runs")
+        if any(d.startswith(PARTITION_RULES_DIFFER) for d in kinds):
+            # today's code cannot deal the old split again, so no grid setting makes the run this point's
+            fixes.append("delete the folder of a run dealt under other partition rules to run its point again "
+                         "(its split is not the one today's code deals)")
         raise ConfigError(
             f"grid {grid.path}: {len(differ)} point(s) would skip or resume a run made with other settings "
             f"(their ids hold only some of the settings, see fedhpc/sweep/grid.py); nothing was run or "
-            f"submitted:\n" + "\n".join(differ) + "\nrestore the setting(s) in the grid to continue those runs, "
+            f"submitted:\n" + "\n".join(differ) + f"\n{'; '.join(fixes)}, "
             "or write this sweep to another folder: --out DIR, or a new name: in the grid (when it sets no out:)")
     return planned
 

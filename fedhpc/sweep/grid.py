@@ -28,7 +28,8 @@ after the base (config file < base). A point inherits it only when its identity 
 resume compares them: an alias, a partition's spelling or an option written out at its default
 is no change) drops the row from that point, so the IID and symmetric-channel points of a grid
 over a non-IID asymmetric file carry no row of the non-IID asymmetric setting. ``seed`` and the
-settings outside IDENTITY (rounds, eval cadence, threads, data_dir) never drop it. A
+settings outside IDENTITY (rounds, eval cadence, threads, data_dir) never drop it, except those
+the point's algorithm names in ``identity_settings`` (pMixFed's schedule reads ``rounds``). A
 ``reference`` in the point's own axis / zip values is kept. ``python -m fedhpc.sweep --data-dir
 DIR`` sets every point's ``data_dir`` (not an identity setting: the ids stay); validation
 refuses a point whose dataset reads its files from --data-dir when none is given, before
@@ -65,7 +66,7 @@ from typing import Any, Dict, List, Optional, Tuple, get_type_hints
 
 import yaml
 
-from ..config import RunConfig, identity_changes, load_yaml, parse_args
+from ..config import RunConfig, algorithm_identity_settings, identity_changes, load_yaml, parse_args
 from ..errors import ConfigError, FedHPCError
 
 GRID_KEYS = ("name", "config", "base", "axes", "zip", "ranks", "out", "slurm")
@@ -295,50 +296,53 @@ def _default(name: str) -> Any:
     return None
 
 
-def _algorithm_identity_settings(algo: Any) -> Tuple[str, ...]:
-    """``identity_settings`` of the algorithm named ``algo``; () for one the registry does not know
-    (validation refuses that point, naming it, after the ids are made)."""
-    from ..algorithms import ALGORITHMS, load_algorithm_modules
-
-    load_algorithm_modules()
-    try:
-        return tuple(ALGORITHMS.get(ALGORITHMS.canonical(algo)).identity_settings)
-    except ConfigError:
-        return ()
-
-
 def run_hash(settings: Dict[str, Any]) -> str:
     """8 hex digits of SHA-1 over the identity settings as written (canonical JSON): RunConfig.IDENTITY
     and the point's algorithm's ``identity_settings`` (the latter only when it has any, so that the
     ids of other algorithms' points stay those of sweeps already on disk)."""
     ident = {k: settings[k] for k in RunConfig.IDENTITY if k in settings}
-    for k in _algorithm_identity_settings(settings.get("algo", RunConfig.algo)):
+    for k in algorithm_identity_settings(settings.get("algo", RunConfig.algo)):
         if k not in RunConfig.IDENTITY:  # those are hashed as written already
             ident[k] = settings[k] if k in settings else _default(k)
     blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:8]
 
 
-def identity_differences(p: Point, saved: Dict[str, Any]) -> List[str]:
+#: how :func:`identity_differences` begins the line of a run dealt under other partition rules
+#: (the sweep's fix for it differs: no setting in the grid restores that split)
+PARTITION_RULES_DIFFER = "partition_rules:"
+
+
+def identity_differences(p: Point, saved: Dict[str, Any], recorded: Optional[Dict[str, Any]] = None) -> List[str]:
     """The identity settings that the run whose config.yaml reads ``saved`` (the engine writes every
     RunConfig field there) does not share with the validated point ``p``: "nesterov: the run has
     False, this point True". Only the settings the id does not hash are compared: those it hashes
     (as written) are the point's by the id itself, and the engine may have resolved them since (a
     full participation under --cold-start-fraction). Both sides are read as the checkpoint reads
     them (fedhpc.checkpoint.canonical_identity), so spellings and defaults are not differences;
-    a field missing from an older config.yaml is its default, as the engine assumes on resume."""
+    a field missing from an older config.yaml is its default, as the engine assumes on resume.
+    What the identity holds besides RunConfig fields (``partition_rules``) is the run's
+    ``recorded`` identity's (fedhpc.checkpoint.recorded_identity; a key it lacks: recorded before
+    it existed); with none recorded, today's, as config.yaml alone could tell."""
     from ..checkpoint import canonical_identity
 
     if p.config is None:
         raise ValueError("identity_differences needs a validated point (expand(grid, validate=True))")
     names = {f.name for f in fields(RunConfig)}
     run_cfg = RunConfig(**{k: v for k, v in saved.items() if k in names})
-    hashed = set(RunConfig.IDENTITY) | set(_algorithm_identity_settings(p.settings.get("algo", RunConfig.algo)))
+    hashed = set(RunConfig.IDENTITY) | set(algorithm_identity_settings(p.settings.get("algo", RunConfig.algo)))
     # what a checkpoint of each must agree on, as the engine's _identity builds it
-    then, now = (canonical_identity(c.identity(_algorithm_identity_settings(c.algo))) for c in (run_cfg, p.config))
+    then, now = (canonical_identity(c.identity(algorithm_identity_settings(c.algo))) for c in (run_cfg, p.config))
+    if recorded is not None:
+        then.update({k: recorded.get(k) for k in set(then) - names})
     out = []
     for k in sorted((set(then) | set(now)) - hashed):
-        if then.get(k) != now.get(k):
+        if k == "partition_rules" and then.get(k) != now.get(k):
+            rules = then.get(k) if then.get(k) is not None else "from before they were recorded"
+            out.append(f"{PARTITION_RULES_DIFFER} the run's partition {run_cfg.partition!r} was dealt under partition "
+                       f"rules {rules}, this point's under rules {now.get(k)}, which may deal another split "
+                       f"(fedhpc/data/partition.py's PARTITION_RULES)")
+        elif then.get(k) != now.get(k):
             # a RunConfig field is shown as set (nesterov False), not as the identity holds it (absent)
             a, b = (getattr(c, k) if k in names else d.get(k) for c, d in ((run_cfg, then), (p.config, now)))
             out.append(f"{k}: the run has {a!r}, this point {b!r}")
