@@ -349,7 +349,7 @@ def test_bad_dirichlet_capped_specs_are_refused_before_any_data(spec, words):
 
 
 def test_dirichlet_capped_refuses_a_minimum_it_cannot_meet(monkeypatch):
-    import fedhpc.data.partition as partition
+    import fedhpc.data.partition.label_skew as partition
     with pytest.raises(ConfigError, match=r"cannot give 51 clients at least 10 .*lower MIN.*fewer clients"):
         make_partition("dirichlet_capped:0.5", LABELS, 51, seed=0)
     # 50 clients x 10 = the whole pool: possible only if every client gets exactly 10, which

@@ -341,7 +341,7 @@ def identity_differences(p: Point, saved: Dict[str, Any], recorded: Optional[Dic
             rules = then.get(k) if then.get(k) is not None else "from before they were recorded"
             out.append(f"{PARTITION_RULES_DIFFER} the run's partition {run_cfg.partition!r} was dealt under partition "
                        f"rules {rules}, this point's under rules {now.get(k)}, which may deal another split "
-                       f"(fedhpc/data/partition.py's PARTITION_RULES)")
+                       f"(PARTITION_RULES in fedhpc/data/partition/)")
         elif then.get(k) != now.get(k):
             # a RunConfig field is shown as set (nesterov False), not as the identity holds it (absent)
             a, b = (getattr(c, k) if k in names else d.get(k) for c, d in ((run_cfg, then), (p.config, now)))
