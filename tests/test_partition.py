@@ -366,3 +366,30 @@ def test_dirichlet_capped_refuses_a_minimum_it_cannot_meet(monkeypatch):
 def test_partition_help_names_dirichlet_capped():
     from fedhpc.data.partition import partition_help
     assert "dirichlet_capped:ALPHA[:MIN]" in partition_help() and "dirichlet:ALPHA" in partition_help()
+
+
+#: one split per rule as PARTITION_RULES 2 deals it, on an unbalanced pool (so that every rule's
+#: per-class arithmetic matters); the same from the single-file rules (f340a80) and from fedhpc/data/partition/
+RULES_2_DIGESTS = {
+    "iid": "d9189104fac349e5", "dirichlet:0.5": "41860b4d60c9dac4", "dirichlet_capped:0.5:5": "f76b38f1d38c4465",
+    "classes:2": "edd6d45b5b46f170", "classes_cyclic:3": "30627e0f96a0c680", "skewed:1:3:9": "7ded976f26ec2064",
+    "mix2fld": "43292f342fc31a3e", "deficient:0,2:2:9": "0ad7cae808f606bb",
+}
+UNBALANCED = np.repeat(np.arange(10), [540, 420, 450, 600, 384, 480, 396, 570, 426, 528])
+
+
+def _rules_digest(spec):
+    return _digest(make_partition(spec, UNBALANCED, 6, seed=11))  # mix2fld: 6 x 62 of each label
+
+
+def test_every_rule_deals_what_partition_rules_promises():
+    """A run's identity holds PARTITION_RULES, so that a checkpoint or a finished sweep point is
+    not taken for a split its spec no longer deals. That only works if every change to what a
+    spec deals bumps it: this pins one split per rule. If you changed a rule on purpose, bump
+    PARTITION_RULES in fedhpc/data/partition/ and write the new digests here."""
+    from fedhpc.data.partition import PARTITION_RULES, partition_names
+    assert PARTITION_RULES == 2, "PARTITION_RULES changed: write this test's digests for the new rules"
+    pooled = {n for n in partition_names() if n != "natural"}
+    assert pooled == {s.partition(":")[0] for s in RULES_2_DIGESTS}, \
+        "a partition rule was added or removed: give it a digest here"
+    assert {spec: _rules_digest(spec) for spec in RULES_2_DIGESTS} == RULES_2_DIGESTS
