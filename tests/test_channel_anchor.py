@@ -183,12 +183,15 @@ def test_batched_fedprox_uses_each_devices_own_anchor():
         assert float((seq[cid][0] - start).abs().max()) > 1e-2  # it trained
 
 
-def test_engine_rounds_with_clients_at_once_equal_sequential_for_fedprox_with_a_channel():
-    """Through Engine.run_round: three rounds of FedProx with every downlink lost, one client at
+@pytest.mark.parametrize("algo", [(), ("--algo", "localmix", "--prox-mu", "1.0"),
+                                  ("--algo", "naivemix", "--prox-mu", "1.0")])
+def test_engine_rounds_with_clients_at_once_equal_sequential_for_fedprox_with_a_channel(algo):
+    """Through Engine.run_round: three rounds of FedProx (and of the "+FedProx" mixup variants,
+    whose batched losses build their own proximal terms) with every downlink lost, one client at
     a time and four at once, give the same global model and metrics."""
     runs = {}
     for k in (1, 4):
-        eng = engine(*BATCHED, "--clients-at-once", str(k))
+        eng = engine(*(algo + BATCHED[4:] if algo else BATCHED), "--clients-at-once", str(k))
         runs[k] = (eng, [eng.run_round(t) for t in range(3)])
     (seq, m_seq), (bat, m_bat) = runs[1], runs[4]
     for a, b in zip(m_seq, m_bat):

@@ -64,3 +64,14 @@ def test_dummy_labels_outside_the_dataset_are_refused_before_any_device_encodes(
     with pytest.raises(ConfigError, match=r"--dummy-labels '3,12' names label\(s\) \[12\] that digits does not "
                                           r"have \(its labels are 0..9\)"):
         Engine(cfg, ao, do, World(threads=1))
+
+
+def test_mix2fld_makes_its_inverse_samples_for_the_training_devices_only(tmp_path):
+    """Mix2FLD's server makes N_I inversely mixed samples per device whose seeds reached it
+    (--seed-delivery always: every training device); the cold-start devices sent none, so they
+    must not add N_I samples each (made from the training devices' seeds)."""
+    cfg, ao, do = parse_args(["--algo", "mix2fld", *BASE, "--inverse-per-device", "4", "--out", str(tmp_path / "r")])
+    eng = Engine(cfg, ao, do, World(threads=1))
+    eng.algo.round_begin(type("R", (), {"index": 0, "sampled": list(eng.training_clients[:2])})())
+    assert len(eng.algo.training_clients) == 4 < eng.data.num_clients
+    assert len(eng.algo.server_set) == 4 * len(eng.training_clients)

@@ -15,6 +15,7 @@ from conftest import final_weights, max_diff
 from fedhpc import engine as engine_module
 from fedhpc import launch
 from fedhpc.client_state import ClientStateStore
+from fedhpc.config import parse_args
 from fedhpc.errors import OutputError
 from fedhpc.world import World
 
@@ -143,3 +144,19 @@ def test_client_state_files_are_synced_and_a_full_disk_is_named(tmp_path, monkey
     with pytest.raises(OutputError, match=r"cannot write .*3\.pt: No space left on device; free space"):
         store.save_shard(str(tmp_path / "rank0b"))
     store.close()
+
+
+def test_a_full_disk_under_metrics_jsonl_is_named(tmp_path, monkeypatch):
+    """A round's record that cannot be synced to metrics.jsonl (disk full) is an OutputError
+    naming the file and the fix, not a bare OSError."""
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "run"
+    with pytest.raises(OutputError, match=r"cannot write .*metrics\.jsonl: No space left on device; free space"):
+        engine_module.Engine(*parse_args(BASE + ["--out", str(out), "--rounds", "1"]), World(threads=1)).run()
