@@ -206,6 +206,20 @@ def test_the_audit_flags_an_upload_that_is_a_raw_sample(tmp_path):
     assert m["uploads_equal_raw"] == m["encoded_uploaded"] > 0 and m["privacy_pixel_mean"] == 0
 
 
+def test_no_encoded_upload_names_both_causes(tmp_path):
+    # no device holds a target label (A = 0); --cold-start-fraction, which holds devices out of the
+    # upload, is the other way to get here, so the error names both fixes
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    cfg, ao, do = parse_args(["--algo", "xormixfl", *DIGITS, "--clients-per-round", "6", "--rounds", "1",
+                              "--model", "mlp", "--partition", "deficient:0,2:0:10", *SERVER, "--server-epochs", "1",
+                              "--threads", "1", "--quiet", "--no-tensorboard"])
+    eng = Engine(cfg, ao, do, World(threads=1))
+    with pytest.raises(DataError, match=r"no training device holds a target label.*--cold-start-fraction"):
+        eng.algo.round_begin(type("R", (), {"index": 0, "sampled": list(range(6))})())
+
+
 def test_one_shot_algorithms_need_the_server_set():
     from fedhpc.engine import Engine
     from fedhpc.world import World

@@ -185,7 +185,9 @@ class EncodedSet:
     def cat(parts: List["EncodedSet"]) -> "EncodedSet":
         parts = [p for p in parts if len(p)]
         if not parts:
-            raise DataError("no device uploaded an encoded sample (no device holds a target label)")
+            raise DataError("no device uploaded an encoded sample: no training device holds a target label; give "
+                            "the devices some (e.g. a deficient:L:A:B partition with A > 0) or lower "
+                            "--cold-start-fraction, whose held-out devices upload nothing")
         width = max(int(p.source_index.shape[1]) for p in parts)
         pad = [F.pad(p.source_index, (0, width - p.source_index.shape[1]), value=-1) for p in parts]
         soft = None if parts[0].soft is None else torch.cat([p.soft for p in parts])
