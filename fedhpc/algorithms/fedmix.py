@@ -48,10 +48,12 @@ class FedMix(NaiveMix):
             # l3 is linear in dL/dx; BatchNorm lets the weights before it scale that gradient
             # up without changing any output, so l3 is unbounded below (the paper drops BN)
             msg = (f"FedMix with a BatchNorm model can diverge: Eq. 5's l3 term is unbounded below when "
-                   f"BatchNorm lets the input gradient grow (on digits, --lam 0.5 ended near 10% accuracy "
-                   f"and 0.9 in a NaN loss by round 2; 0.05 and 0.2 trained well). The FedMix paper's models "
-                   f"have no BatchNorm; use one without (e.g. --model-opt norm=none where the model has "
-                   f"it) or a small --lam (now {self.options.lam:g})")
+                   f"BatchNorm lets the input gradient grow. On digits over 500 rounds (benchmarks/RESULTS.md, "
+                   f"3 seeds) --lam 0.05 trained but slid from 99% at its best to 97-98% at the end, where the "
+                   f"model without BatchNorm still gained; --lam 0.2 fell to chance by round 100 (without "
+                   f"BatchNorm to 10-28%, also at lr 0.01); 0.5 gave a NaN loss by round 2. The paper's models have "
+                   f"no BatchNorm; use one without (e.g. --model-opt norm=none where the model has it) or a "
+                   f"small --lam (now {self.options.lam:g})")
             self.warn(msg)
 
     def mix_loss(self, f, x, y, xbar, ybar, lam):
