@@ -380,3 +380,35 @@ def test_runs_spelling_one_setting_differently_are_one_group(sweep_dir, tmp_path
     (a / "config.yaml").write_text(yaml.safe_dump(config))
     assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
     assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [1, 1]
+
+
+def test_a_split_dealt_under_other_partition_rules_is_its_own_group(sweep_dir, tmp_path, capsys):
+    """config.yaml cannot say which partition rules dealt a run's split; the identity the engine
+    records (identity.json, else the last checkpoint's) can. A run of older rules is not a seed of
+    today's group, and the column says why; one whose identity.json is broken is skipped and named."""
+    a, b = _copy_runs(sweep_dir, tmp_path / "runs")
+    assert json.loads((a / "identity.json").read_text())["partition_rules"] == 2  # the engine wrote it
+    out = tmp_path / "rep"
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [2]
+    ident = json.loads((a / "identity.json").read_text())
+    (a / "identity.json").write_text(json.dumps({**ident, "partition_rules": 1}))
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    groups = json.loads((out / "summary.json").read_text())["groups"]
+    assert sorted((g["n"], str(g["settings"].get("partition_rules"))) for g in groups) == [(1, "1"), (1, "None")]
+    assert "partition_rules" in (out / "report.md").read_text()
+    # a run recorded before the identity held the rules, read from its last checkpoint when the
+    # engine wrote no identity.json: also not today's
+    del ident["partition_rules"]
+    (a / "identity.json").write_text(json.dumps(ident))
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    groups = json.loads((out / "summary.json").read_text())["groups"]
+    assert sorted(str(g["settings"].get("partition_rules")) for g in groups) == ["None", "unrecorded"]
+    (a / "identity.json").unlink()  # a run from before identity.json: its checkpoint holds rules 2
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [2]
+    (a / "identity.json").write_text("{torn")
+    capsys.readouterr()
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [1]
+    assert "identity.json" in capsys.readouterr().err

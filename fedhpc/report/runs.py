@@ -6,7 +6,8 @@ fall in the same group when their flattened configurations agree on every settin
 RUN_LOCAL: the seed, and the settings that say how or where a run executed, not what it
 computed. Unknown settings (added by a later fedhpc) do separate groups: a report that keeps
 two settings apart that could have been merged is safer than one that averages different
-experiments. A folder is read once however often the roots reach it, and two runs of a group with
+experiments. The partition rules a run's split was dealt under (its recorded identity, not
+config.yaml) count as a setting when they are not today's. A folder is read once however often the roots reach it, and two runs of a group with
 one seed are one run counted once (same metrics) or refused (different metrics), never two seeds.
 """
 
@@ -18,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..checkpoint import recorded_identity
 from ..errors import ConfigError, FedHPCError
 from ..sweep.state import RunState, read_config, read_metrics, run_state
 
@@ -65,6 +67,9 @@ class Run:
     config: Optional[Dict[str, Any]]
     records: List[Dict[str, Any]]
     state: RunState
+    #: the partition rules its split was dealt under (config.yaml cannot say: the identity the
+    #: engine records holds them); "unrecorded" for a record that predates them
+    partition_rules: Any = None
 
     @property
     def seed(self) -> Any:
@@ -76,8 +81,15 @@ class Run:
         return ref if isinstance(ref, dict) else {}
 
     def settings(self) -> Dict[str, Any]:
-        """The flattened configuration that decides the group, as :func:`meaning` reads it."""
-        return flatten(meaning({k: v for k, v in (self.config or {}).items() if k not in RUN_LOCAL}))
+        """The flattened configuration that decides the group, as :func:`meaning` reads it; a split
+        dealt under other partition rules than today's is another setting (the same spec may have
+        meant another split), shown as ``partition_rules``."""
+        from ..data.partition import PARTITION_RULES
+
+        out = flatten(meaning({k: v for k, v in (self.config or {}).items() if k not in RUN_LOCAL}))
+        if self.partition_rules is not None and self.partition_rules != PARTITION_RULES:
+            out["partition_rules"] = self.partition_rules
+        return out
 
 
 @dataclass
@@ -132,9 +144,15 @@ def find_runs(roots: List[str], skipped: Optional[List[Dict[str, Any]]] = None
                 except FedHPCError as e:
                     skip(dirpath, "unreadable config.yaml", str(e))
                     continue
+                try:  # as the sweep reads it: no record at all is taken as today's rules
+                    recorded = recorded_identity(dirpath)
+                except FedHPCError as e:
+                    skip(dirpath, "unreadable identity.json", str(e))
+                    continue
                 records = read_metrics(dirpath)
                 rounds = config.get("rounds") if config else None
-                runs.append(Run(dirpath, config, records, run_state(dirpath, rounds, records=records)))
+                runs.append(Run(dirpath, config, records, run_state(dirpath, rounds, records=records),
+                                None if recorded is None else recorded.get("partition_rules", "unrecorded")))
             manifest = os.path.join(dirpath, "sweep.json")
             if os.path.exists(manifest):
                 try:
