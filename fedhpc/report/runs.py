@@ -7,8 +7,9 @@ RUN_LOCAL: the seed, and the settings that say how or where a run executed, not 
 computed. Unknown settings (added by a later fedhpc) do separate groups: a report that keeps
 two settings apart that could have been merged is safer than one that averages different
 experiments. The partition rules a run's split was dealt under (its recorded identity, not
-config.yaml) count as a setting when they are not today's. A folder is read once however often the roots reach it, and two runs of a group with
-one seed are one run counted once (same metrics) or refused (different metrics), never two seeds.
+config.yaml) count as a setting when they are not today's. A folder is read once however often
+the roots reach it, and two runs of a group with one seed are one run counted once (same
+metrics) or refused (different metrics), never two seeds.
 """
 
 from __future__ import annotations

@@ -261,4 +261,6 @@ def no_argument(name: str, meaning: str = ""):
 # The rules register themselves on import (label-skew draws; fixed per-client counts), after the
 # registry above exists; parse_partition lists them in this order.
 from . import label_skew, fixed_counts  # noqa: E402,F401
-from .label_skew import CAPPED_ATTEMPTS, CAPPED_MIN_SAMPLES  # noqa: E402,F401  (constants callers read)
+# dirichlet_capped's default MIN, which callers read; its CAPPED_ATTEMPTS is not re-exported: setting it
+# here would not reach the loop that reads it in label_skew
+from .label_skew import CAPPED_MIN_SAMPLES  # noqa: E402,F401
