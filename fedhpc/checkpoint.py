@@ -20,6 +20,7 @@ at another experiment, not that a file broke.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -184,15 +185,14 @@ def canonical_identity(identity: Dict[str, Any], auto_means: Optional[Dict[str, 
       option written out at its default (``finetune_epochs: 4``) are the same run, as ``lr: 1e-3``
       and ``lr: 0.001`` already are. A mapping today's code cannot read (an option since
       removed) is compared as written. A default whose change alters a running method is the
-      method's to guard in its checkpointed state (pMixFed's ``first_layer_index``);
+      method's to guard in its checkpointed state (pMixFed's ``first_layer_index``; a resume then
+      leaves it out of the comparison: :func:`_without_options_checked_by_state`);
     * the partition as :func:`~fedhpc.data.partition.canonical_partition` spells it
       ('dirichlet:.50' is 'dirichlet:0.5');
     * a setting left at 'auto' as what it stands for in this run (``auto_means``: the model
       'auto' is the dataset's default), so that naming that default resumes an 'auto' run and
       the other way round. The dataset is part of the identity, so both sides mean the same.
     """
-    import dataclasses
-
     from .algorithms import ALGORITHMS, load_algorithm_modules
     from .config import build_options
     from .data import DATASETS, load_dataset_modules
@@ -273,9 +273,63 @@ def recorded_identity(out: str) -> Optional[Dict[str, Any]]:
     return identity if isinstance(identity, dict) else None
 
 
+def _run_fields() -> Dict[str, Any]:
+    from .config import RunConfig
+
+    return {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def _unrecorded_settings(directory: str, saved: Dict[str, Any], now: Dict[str, Any]) -> Dict[str, Any]:
+    """The run settings that ``now`` (today's identity) holds and the checkpoint's ``saved`` lacks,
+    as the run that wrote it had them. Such a key entered the identity after the checkpoint was
+    written (pMixFed's ``rounds``, since its schedule was guarded), so the checkpoint cannot say;
+    the run's config.yaml can: the engine rewrites it at the start of every attempt, after this
+    check, so it holds the settings of the attempt that wrote the newest checkpoint. A setting
+    that config.yaml lacks too did not exist then: the run had its default. Without config.yaml
+    the setting is left out, and the comparison names it (``checkpoint None``)."""
+    run_fields = _run_fields()
+    missing = [k for k in now if k not in saved and k in run_fields]
+    if not missing:
+        return {}
+    import yaml
+
+    out_dir = os.path.dirname(os.path.dirname(os.path.normpath(directory)))  # OUT/checkpoints/round_N
+    try:
+        with open(os.path.join(out_dir, "config.yaml")) as f:
+            written = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    if not isinstance(written, dict):
+        return {}
+    filled = {}
+    for k in missing:
+        f = run_fields[k]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore
+        filled[k] = json.loads(json.dumps(written.get(k, default), default=str))
+    return filled
+
+
+def _without_options_checked_by_state(identity: Dict[str, Any]) -> Dict[str, Any]:
+    """A canonical ``identity`` without the algorithm options whose field says ``checked_by_state``:
+    the algorithm compares those with its checkpointed state (load_state_dict), which can tell what
+    a checkpoint from before the option ran with (pMixFed numbered its layers from 0), where the
+    identity would fill that checkpoint's ``{}`` with today's default and refuse the one value it
+    resumes under. Only a resume leaves them out: the report and a paper reference still tell
+    runs of different values apart."""
+    from .algorithms import ALGORITHMS
+
+    options_class = ALGORITHMS.get(identity["algo"]).Options if identity.get("algo") in ALGORITHMS else None
+    if options_class is None or not isinstance(identity.get("algo_options"), dict):
+        return identity
+    checked = {f.name for f in dataclasses.fields(options_class) if f.metadata.get("checked_by_state")}
+    return {**identity, "algo_options": {k: v for k, v in identity["algo_options"].items() if k not in checked}}
+
+
 def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, Any],
                     auto_means: Optional[Dict[str, str]] = None) -> None:
-    saved, now = canonical_identity(body.get("identity") or {}, auto_means), canonical_identity(identity, auto_means)
+    recorded = dict(body.get("identity") or {})
+    recorded.update(_unrecorded_settings(directory, recorded, identity))
+    saved, now = (_without_options_checked_by_state(canonical_identity(i, auto_means)) for i in (recorded, identity))
     if saved != now:
         diffs = []
         for k in sorted(set(saved) | set(now)):
@@ -285,6 +339,10 @@ def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, An
             if isinstance(a, dict) and isinstance(b, dict):  # name the options that differ, not the mappings
                 diffs += [f"{k}.{o}: checkpoint {a.get(o)!r} vs now {b.get(o)!r}"
                           for o in sorted(set(a) | set(b)) if a.get(o) != b.get(o)]
+            elif k not in recorded:  # written before the identity held it
+                where = (" nor by the run's config.yaml beside checkpoints/ (missing or unreadable)"
+                         if k in _run_fields() else "")
+                diffs.append(f"{k}: not recorded by the checkpoint (it predates that record){where} vs now {b!r}")
             else:
                 diffs.append(f"{k}: checkpoint {a!r} vs now {b!r}")
         raise CheckpointError(

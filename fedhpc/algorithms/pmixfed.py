@@ -126,7 +126,11 @@ class PMixFedOptions(PersonalOptions):
         "help": "a client's local model before it first trains: global (the received model) | init (the initial model)"})
     first_layer_index: int = field(default=1, metadata={
         "help": "i of the base layer in Eq. 6 (aggregation lambda_i = max(0, 1 - i mu)): 1 (n = number of layers, "
-                "Sec. 3.1) | 0 (the text's 'i = 0 -> n': the global base layer then never leaves its initial values)"})
+                "Sec. 3.1) | 0 (the text's 'i = 0 -> n': the global base layer then never leaves its initial values)",
+        # checked against the checkpointed state (load_state_dict), which knows that a checkpoint
+        # from before the option numbered from 0; the identity would fill that checkpoint's {}
+        # with today's default 1 and refuse the only numbering it resumes under
+        "checked_by_state": True})
 
     def validate(self):
         super().validate()
