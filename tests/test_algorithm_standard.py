@@ -3,7 +3,9 @@
 (a) a run interrupted by a signal and resumed equals the uninterrupted run, on 1 and 2 ranks (global
     model, metrics and every client's state);
 (b) 1 and 2 ranks give the same model, with a model that has dropout and one with
-    BatchNorm (one ``mpiexec -n 2`` launch runs every case);
+    BatchNorm (one ``mpiexec -n 2`` launch runs every case), and under a lossy channel with
+    cold-start clients held out (lost uploads, devices left on their own model by a lost
+    download: state kept per client, on whichever rank trains it);
 (c) the algorithm's own update is what runs: one round through the engine equals the
     round computed by hand in tests/reference_steps.py, with clients of unequal sizes.
 
@@ -148,6 +150,59 @@ def test_resumed_run_on_two_ranks_equals_uninterrupted(algo, two_rank_results):
         float((full["global_state"] - resumed["global_state"]).abs().max())
     assert_states_equal(full["states"], resumed["states"])
     assert full["final"]["test_accuracy"] == resumed["final"]["test_accuracy"]
+
+
+# ------------------------------------------------------- (b) 1 vs 2 ranks, with outages and cold start
+
+#: a channel and clients held out of training; the transmit power is found per algorithm (its
+#: payload sets how fast the outage probability falls from 1 to 0 with power) so that some
+#: links fail and others deliver
+OUTAGES = ["--channel", "symmetric", "--cold-start-fraction", "0.34"]
+
+
+def _links(out):
+    """(failed, delivered) links over the run, from its metrics.jsonl."""
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    failed = sum(r.get("uplink_outages", 0) + r.get("downlink_outages", 0) for r in rows)
+    return failed, sum(2 * r["clients"] for r in rows) - failed
+
+
+@pytest.fixture(scope="module")
+def outage_results(tmp_path_factory):
+    """Every algorithm under OUTAGES on 1 rank (in this process) and on 2 (one launch)."""
+    d = tmp_path_factory.mktemp("outages")
+    one, cases = {}, {}
+    for algo in ALGOS:
+        low, high = 0.0, 40.0  # dBm: every link fails at low, none at high
+        for attempt in range(10):  # bisection on the power
+            p = (low + high) / 2
+            argv = algo_argv(algo) + OUTAGES + ["--channel-opt", f"p_up_dbm={p}", "--channel-opt", f"p_down_dbm={p}"]
+            out = str(d / f"{algo}-{attempt}")
+            eng, final, states = run_case(argv + ["--out", out], World(threads=1))
+            failed, delivered = _links(out)
+            if failed and delivered:
+                one[algo], cases[algo] = (eng.global_state, final, states), argv
+                break
+            low, high = (p, high) if not delivered else (low, p)
+        else:
+            pytest.fail(f"{algo}: no transmit power between 0 and 40 dBm both loses and delivers a link")
+    (d / "cases.json").write_text(json.dumps(cases))
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, os.path.join(REPO, "tests", "standard_runner.py"),
+                        str(d / "cases.json"), str(d)], cwd=REPO, env=clean_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return one, d
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_one_and_two_ranks_give_the_same_model_under_outages_and_cold_start(algo, outage_results):
+    one, d = outage_results
+    state, final, states = one[algo]
+    two = torch.load(d / f"{algo}.pt", weights_only=False)
+    diff = float((state.double() - two["global_state"].double()).abs().max())
+    assert diff == 0, f"{algo} under outages: 1 vs 2 ranks differ by {diff:.2e}"
+    assert_states_equal(states, two["states"])
+    assert_states_equal(untimed(final), untimed(two["final"]))
 
 
 # ----------------------------------------------------------------------------- (c) own update
