@@ -1,7 +1,7 @@
 """The standard set every registered algorithm passes, the day it is registered.
 
 (a) a run interrupted by a signal and resumed equals the uninterrupted run, on 1 and 2 ranks (global
-    model, metrics and every client's state);
+    model, metrics and every client's state), also under the outages and cold start of (b);
 (b) 1 and 2 ranks give the same model, with a model that has dropout and one with
     BatchNorm (one ``mpiexec -n 2`` launch runs every case), and under a lossy channel with
     cold-start clients held out (lost uploads, devices left on their own model by a lost
@@ -182,6 +182,7 @@ def outage_results(tmp_path_factory):
             failed, delivered = _links(out)
             if failed and delivered:
                 one[algo], cases[algo] = (eng.global_state, final, states), argv
+                cases[f"{algo}-resumed"] = {"argv": argv, "interrupt_after": 2}
                 break
             low, high = (p, high) if not delivered else (low, p)
         else:
@@ -203,6 +204,26 @@ def test_one_and_two_ranks_give_the_same_model_under_outages_and_cold_start(algo
     assert diff == 0, f"{algo} under outages: 1 vs 2 ranks differ by {diff:.2e}"
     assert_states_equal(states, two["states"])
     assert_states_equal(untimed(final), untimed(two["final"]))
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_resumed_run_equals_uninterrupted_under_outages_and_cold_start(algo, outage_results, tmp_path):
+    """(a) where the channel's state lives: the models devices kept after a lost download, the
+    round's fading draws, the held-out clients; interrupted after round 2 on 1 rank and on 2."""
+    from fedhpc.engine import Preempted
+
+    one, d = outage_results
+    state, final, states = one[algo]
+    argv = json.loads((d / "cases.json").read_text())[algo] + ["--out", str(tmp_path / "cut")]
+    with pytest.raises(Preempted):
+        run_case(argv, World(threads=1), interrupt_after=2)
+    eng, final_res, states_res = run_case(argv + ["--resume"], World(threads=1))
+    two = torch.load(d / f"{algo}-resumed.pt", weights_only=False)
+    for where, (got, got_final, got_states) in {"1 rank": (eng.global_state, final_res, states_res),
+                                                "2 ranks": (two["global_state"], two["final"], two["states"])}.items():
+        assert torch.equal(state, got), f"{algo} resumed on {where}: {float((state - got).abs().max()):.2e}"
+        assert_states_equal(states, got_states)
+        assert_states_equal(untimed(final), untimed(got_final))
 
 
 # ----------------------------------------------------------------------------- (c) own update
