@@ -253,6 +253,13 @@ def test_none_mode_and_empty_payloads():
     ({"t_max_s": -0.1}, "t_max_s"),
     ({"t_max_s": 1e-3}, "t_max_s"),                          # half a slot per direction
     ({"direction_budget": "both"}, "direction_budget"),
+    # values a float cannot carry through 10^(dBm/10) or r^alpha (an OverflowError before)
+    ({"p_down_dbm": 1e9}, "p_down_dbm"),
+    ({"p_up_dbm": -400.0}, "p_up_dbm"),
+    ({"noise_dbm_per_hz": 1e9}, "noise_dbm_per_hz"),
+    ({"pathloss_exponent": 1e9}, "pathloss_exponent"),
+    # a fading draw per slot: 5e11 slots asked for 3.6 TiB (a MemoryError before)
+    ({"t_max_s": 1e9}, "t_max_s"),
 ])
 def test_invalid_options_raise_config_error_naming_the_option(bad, name):
     with pytest.raises(ConfigError, match=name):
@@ -264,6 +271,8 @@ def test_invalid_options_raise_config_error_naming_the_option(bad, name):
 def test_valid_edge_options_and_unknown_mode():
     ChannelOptions(theta=-3.0, theta_unit="db").validate()   # a negative dB target is a valid ratio < 1
     ChannelOptions(t_max_s=2e-3).validate()                  # one slot per direction
+    ChannelOptions(t_max_s=20e3).validate()                  # the most slots simulated (1e7 per direction)
+    ChannelOptions(p_down_dbm=300.0, noise_dbm_per_hz=-300.0).validate()
     with pytest.raises(ConfigError, match="asymmetric"):
         Channel("fading", ChannelOptions(), seed=0)
 

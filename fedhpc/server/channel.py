@@ -73,6 +73,12 @@ from ..errors import ConfigError
 DIRECTIONS = ("up", "down")
 
 
+#: the most slots per direction a link simulates (it draws a fading value for each)
+MAX_BUDGET_SLOTS = 10_000_000
+#: powers and noise densities beyond this many dBm overflow once multiplied out (10^30 W)
+MAX_ABS_DBM = 300.0
+
+
 def dbm_to_watt(dbm: float) -> float:
     """Power in dBm (or a density in dBm/Hz) to W (or W/Hz)."""
     return 10.0 ** ((dbm - 30.0) / 10.0)
@@ -138,6 +144,23 @@ class ChannelOptions:
         if self.budget_slots() < 1:
             raise ConfigError(f"channel options give no whole slot per direction: t_max_s={self.t_max_s} "
                               f"({self.direction_budget}) over slot_s={self.slot_s}; raise t_max_s or lower slot_s")
+        if self.budget_slots() > MAX_BUDGET_SLOTS:
+            # every link draws one fading value per slot of the budget
+            raise ConfigError(f"channel options give {self.budget_slots():,} slots per direction (t_max_s={self.t_max_s} "
+                              f"over slot_s={self.slot_s}); every link draws a fading value per slot, so at most "
+                              f"{MAX_BUDGET_SLOTS:,} are simulated: lower t_max_s or raise slot_s")
+        # dBm and r^alpha are exponents: a value far outside physics overflows a float
+        for name, value in (("p_up_dbm", self.p_up_dbm), ("p_down_dbm", self.p_down_dbm),
+                            ("noise_dbm_per_hz", self.noise_dbm_per_hz)):
+            if value is not None and abs(value) > MAX_ABS_DBM:
+                raise ConfigError(f"channel option {name}={value} dBm overflows a float once converted to watts "
+                                  f"(10^(dBm/10) mW); give a value within +-{MAX_ABS_DBM:g} dBm (transmit powers are "
+                                  f"tens of dBm, the noise density -174 dBm/Hz)")
+        try:
+            float(self.distance_m) ** float(self.pathloss_exponent)
+        except OverflowError:
+            raise ConfigError(f"channel options distance_m={self.distance_m}, pathloss_exponent={self.pathloss_exponent}"
+                              f" give a path loss r^alpha beyond a float; alpha is 2-6 in practice") from None
 
     def budget_slots(self) -> int:
         """Whole slots each direction may use: floor(T_max / 2 / tau) (or T_max / tau with ``full``)."""
