@@ -122,6 +122,22 @@ def test_unknown_option_is_rejected():
         build_model("lenet5", (1, 28, 28), 62, {"width": 2})
 
 
+def test_a_model_larger_than_memory_is_a_config_error_naming_its_options():
+    """cnn width=10^7 asks torch's allocator for 7.2 PB, more than any machine has: a
+    RuntimeError from inside torch before, now the model, its options and the fix."""
+    with pytest.raises(ConfigError, match=r"model 'cnn' with width=10000000 does not fit in memory \(it tried "
+                                          r"to allocate \d+ bytes\); lower its size options"):
+        build_model("cnn", (1, 8, 8), 10, {"width": 10**7})
+
+
+def test_other_runtime_errors_of_a_builder_pass_through(monkeypatch):
+    def broken(input_shape, num_classes):
+        raise RuntimeError("a bug in the builder")
+    monkeypatch.setitem(MODELS._entries, "broken_for_test", broken)
+    with pytest.raises(RuntimeError, match="a bug in the builder"):
+        build_model("broken_for_test", (1, 8, 8), 10)
+
+
 # --------------------------------------------------------------------------- parameter counts
 def test_mix2fld_cnn_has_12544_weights_and_no_bias():
     """Mix2FLD Sec. IV: 2 conv + 1 fc, N_mod = 12,544 ("# of model weights").

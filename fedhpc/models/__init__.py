@@ -16,6 +16,7 @@ import difflib
 import importlib
 import inspect
 import math
+import re
 from typing import Any, Dict, List, Tuple, get_type_hints
 
 from torch import nn
@@ -132,7 +133,17 @@ def build_model(name: str, input_shape, num_classes: int, options: Dict[str, Any
     builder = MODELS.get(name)
     options = dict(options or {})
     check_model_options(name, options)
-    return builder(tuple(input_shape), int(num_classes), **options)
+    try:
+        return builder(tuple(input_shape), int(num_classes), **options)
+    except (MemoryError, RuntimeError) as e:
+        # torch's CPU allocator raises a RuntimeError ("can't allocate memory"), CUDA's an OutOfMemoryError
+        if not isinstance(e, MemoryError) and "alloc" not in str(e).lower() and "out of memory" not in str(e).lower():
+            raise
+        given = ", ".join(f"{k}={v}" for k, v in options.items()) or "its defaults"
+        asked = re.search(r"tried to allocate ([\d.]+ ?[KMGTP]?i?B|\d+ bytes)", str(e))
+        raise ConfigError(f"model {name!r} with {given} does not fit in memory"
+                          f"{f' (it tried to allocate {asked.group(1)})' if asked else ''}; lower its size options "
+                          f"(--model-opt)") from None
 
 
 def model_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
