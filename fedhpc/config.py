@@ -73,7 +73,7 @@ class RunConfig:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda (one GPU per local rank)"})
     deterministic: bool = field(default=True, metadata={"help": "on GPUs: deterministic cuDNN / cuBLAS kernels and no TF32, so a seed gives the same model whatever the ranks, batching or run (--no-deterministic: TF32 and the fastest kernels, results vary in the 4th digit)"})
     collective_backend: str = field(default="auto", metadata={"help": "auto | nccl | gloo: auto takes NCCL when every rank of a node has its own GPU, gloo (through host memory) on CPU and when ranks share a GPU"})
-    client_state_budget_mb: float = field(default=1024.0, metadata={"help": "memory for per-client state per rank before spilling to disk"})
+    client_state_budget_mb: float = field(default=1024.0, metadata={"help": "memory for per-client state per rank before spilling to disk (inf: never spill)"})
     collective_timeout: float = field(default=600.0, metadata={"help": "seconds a collective waits for peers before declaring a rank dead"})
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files (rank 0) under --out"})
     quiet: bool = field(default=False, metadata={"help": "no per-round progress lines"})

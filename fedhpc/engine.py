@@ -123,7 +123,8 @@ class Engine(Evaluation, RunLog):
         # Created only if a state is ever spilled; removed when the run ends.
         spill = (os.path.join(cfg.out, "client_state_spill") if cfg.out else
                  os.path.join(tempfile.gettempdir(), f"fedhpc-state-{os.getpid()}"))
-        self.client_state = ClientStateStore(world, int(cfg.client_state_budget_mb * 2**20), spill)
+        budget = cfg.client_state_budget_mb
+        self.client_state = ClientStateStore(world, int(budget * 2**20) if math.isfinite(budget) else sys.maxsize, spill)
         self.algo = algo_cls(cfg, algo_options, self.model, self.flat, self.data, world, self.client_state)
         self.algo.training_clients = list(self.training_clients)
         self.algo.setup()
