@@ -6,8 +6,9 @@ to look old. The runs under tests/fixtures/old_checkpoints/ were made by the com
 its COMMIT file (make.sh there regenerates them), on two ranks, and cut after their round-2
 checkpoint. That commit predates several things today's reader must fill in for an old
 checkpoint: client-state shards without index.json, pMixFed's --first-layer-index (its
-layers were numbered from 0), an algorithm name stored as typed ('FedMix'), the mean-data
-download record. Each run is resumed here on one rank (the two shards fold onto it).
+layers were numbered from 0) and ``rounds`` in its identity, an algorithm name stored as typed
+('FedMix'), the mean-data download record. Every algorithm that commit had is there but
+FedAlign (make.sh says why); each run is resumed here on one rank (the two shards fold onto it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ COMMIT = open(os.path.join(HERE, "COMMIT")).read().strip()[:10]
 #: what make.sh adds to every case
 COMMON = ["--rounds", "4", "--checkpoint-every", "2", "--threads", "1", "--no-tensorboard", "--quiet"]
 #: what today's resume must be told that the old run did not write down
-TODAY = {"pmixfed": ["--first-layer-index", "0"]}  # the only numbering before the option existed
+TODAY = {"pmixfed": ["--first-layer-index", "0"],  # the only numbering before the option existed
+         "pmixfed_dynamic": ["--first-layer-index", "0"]}
 
 
 def _argv(name):
