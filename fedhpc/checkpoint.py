@@ -242,6 +242,12 @@ def canonical_identity(identity: Dict[str, Any], auto_means: Optional[Dict[str, 
 #: (after a resume's checkpoint check passed): config.yaml holds the RunConfig fields only, not what
 #: the identity adds to them (``partition_rules``), which the sweep must compare for a finished run
 IDENTITY_FILE = "identity.json"
+#: the settings that are mappings of a method's, dataset's, model's or channel's own options
+OPTION_MAPPINGS = ("algo_options", "data_options", "model_options", "channel_options")
+#: the key of IDENTITY_FILE (not part of the identity) holding OPTION_MAPPINGS as the run read them,
+#: every default filled in by the code that ran it: the report groups runs by these, so that a run
+#: made before a default changed is not averaged with runs made after it
+OPTIONS_AS_RUN = "options_as_run"
 
 
 def recorded_identity(out: str) -> Optional[Dict[str, Any]]:

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Dict
 
-from .checkpoint import IDENTITY_FILE
+from .checkpoint import IDENTITY_FILE, OPTION_MAPPINGS, OPTIONS_AS_RUN, canonical_identity
 from .io import atomic_write_json, atomic_write_text, raise_disk_error
 
 
@@ -31,8 +31,13 @@ class RunLog:
         import yaml
         atomic_write_text(os.path.join(cfg.out, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         # what config.yaml cannot say (the partition rules the split was dealt under), so that a sweep
-        # can tell a finished run of an older split from its point's; a resume's checkpoint check passed
-        atomic_write_json(os.path.join(cfg.out, IDENTITY_FILE), self._identity())
+        # can tell a finished run of an older split from its point's; a resume's checkpoint check passed.
+        # Beside it, outside the identity, each option mapping with every default this code filled in:
+        # config.yaml holds the options as given, which a later fedhpc would read with its own defaults
+        identity = self._identity()
+        resolved = canonical_identity(identity)  # a model left at 'auto' keeps its options as given
+        identity[OPTIONS_AS_RUN] = {k: resolved[k] for k in OPTION_MAPPINGS if isinstance(resolved.get(k), dict)}
+        atomic_write_json(os.path.join(cfg.out, IDENTITY_FILE), identity)
         path = os.path.join(cfg.out, "metrics.jsonl")
         # On resume keep exactly the rounds the checkpoint covers: the resumed run then
         # appends what the uninterrupted run would have written.

@@ -382,6 +382,35 @@ def test_runs_spelling_one_setting_differently_are_one_group(sweep_dir, tmp_path
     assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [1, 1]
 
 
+def test_runs_are_read_with_the_option_defaults_of_the_code_that_made_them(sweep_dir, tmp_path):
+    """config.yaml holds options as given ({} for FedProx's mu at its default); the engine records
+    beside the identity every option as it read them. A run made when mu's default was another
+    value (its record says so) is not a seed of today's default: its own group, mu named. Without
+    the record (runs from before it), today's defaults are all there is."""
+    from fedhpc.algorithms import ALGORITHMS
+    from fedhpc.checkpoint import OPTIONS_AS_RUN
+
+    a, b = _copy_runs(sweep_dir, tmp_path / "runs", algo="fedprox")
+    today = ALGORITHMS.get("fedprox").Options().mu
+    records = {run: json.loads((run / "identity.json").read_text()) for run in (a, b)}
+    assert all(r["algo_options"] == {} and r[OPTIONS_AS_RUN]["algo_options"]["mu"] == today for r in records.values())
+    out = tmp_path / "rep"
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [2]
+    then = records[a]
+    then[OPTIONS_AS_RUN]["algo_options"]["mu"] = today * 2 + 1  # what older code would have recorded
+    (a / "identity.json").write_text(json.dumps(then))
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    groups = json.loads((out / "summary.json").read_text())["groups"]
+    assert sorted(g["n"] for g in groups) == [1, 1]
+    assert sorted(str(g["settings"].get("algo_options.mu")) for g in groups) == sorted(["None", str(today * 2 + 1)])
+    # a config.yaml edited since (its options no longer those the record was made for) is read as it stands
+    config = yaml.safe_load((a / "config.yaml").read_text())
+    (a / "config.yaml").write_text(yaml.safe_dump({**config, "algo_options": {"mu": today}}))
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [2]
+
+
 def test_a_split_dealt_under_other_partition_rules_is_its_own_group(sweep_dir, tmp_path, capsys):
     """config.yaml cannot say which partition rules dealt a run's split; the identity the engine
     records (identity.json, else the last checkpoint's) can. A run of older rules is not a seed of

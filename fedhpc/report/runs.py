@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..checkpoint import recorded_identity
+from ..checkpoint import OPTION_MAPPINGS, OPTIONS_AS_RUN, recorded_identity
 from ..errors import ConfigError, FedHPCError
 from ..sweep.state import RunState, read_config, read_metrics, run_state
 
@@ -40,8 +40,6 @@ def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-#: the settings that are mappings of a method's, dataset's, model's or channel's own options
-OPTION_MAPPINGS = ("algo_options", "data_options", "model_options", "channel_options")
 
 
 def meaning(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -60,6 +58,19 @@ def meaning(config: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(full.get(k), dict) and isinstance(bare.get(k), dict):
             out[k] = {o: v for o, v in full[k].items() if o not in bare[k] or bare[k][o] != v}
     return out
+
+
+def _options_as_run(config: Optional[Dict[str, Any]], recorded: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """``config`` with each option mapping as the run's own code read it, every default filled in
+    (the engine's record beside the identity, :data:`~fedhpc.checkpoint.OPTIONS_AS_RUN`), so that
+    a default changed since is not read into the run. A mapping is taken only where the record
+    describes this config.yaml (the identity holds the same mapping as given); a run from before
+    the record keeps its options as given, read with today's defaults."""
+    as_run = (recorded or {}).get(OPTIONS_AS_RUN)
+    if config is None or not isinstance(as_run, dict):
+        return config
+    return {**config, **{k: v for k, v in as_run.items()
+                         if k in OPTION_MAPPINGS and isinstance(v, dict) and recorded.get(k) == config.get(k)}}
 
 
 @dataclass
@@ -152,6 +163,7 @@ def find_runs(roots: List[str], skipped: Optional[List[Dict[str, Any]]] = None
                     continue
                 records = read_metrics(dirpath)
                 rounds = config.get("rounds") if config else None
+                config = _options_as_run(config, recorded)
                 runs.append(Run(dirpath, config, records, run_state(dirpath, rounds, records=records),
                                 None if recorded is None else recorded.get("partition_rules", "unrecorded")))
             manifest = os.path.join(dirpath, "sweep.json")
