@@ -279,10 +279,10 @@ def recorded_identity(out: str) -> Optional[Dict[str, Any]]:
     return identity if isinstance(identity, dict) else None
 
 
-def _run_fields() -> Dict[str, Any]:
+def _run_settings() -> set:
     from .config import RunConfig
 
-    return {f.name: f for f in dataclasses.fields(RunConfig)}
+    return {f.name for f in dataclasses.fields(RunConfig)}
 
 
 def _unrecorded_settings(directory: str, saved: Dict[str, Any], now: Dict[str, Any]) -> Dict[str, Any]:
@@ -293,8 +293,9 @@ def _unrecorded_settings(directory: str, saved: Dict[str, Any], now: Dict[str, A
     check, so it holds the settings of the attempt that wrote the newest checkpoint. A setting
     that config.yaml lacks too did not exist then: the run had its default. Without config.yaml
     the setting is left out, and the comparison names it (``checkpoint None``)."""
-    run_fields = _run_fields()
-    missing = [k for k in now if k not in saved and k in run_fields]
+    from .config import setting_default
+
+    missing = [k for k in now if k not in saved and k in _run_settings()]
     if not missing:
         return {}
     import yaml
@@ -307,12 +308,7 @@ def _unrecorded_settings(directory: str, saved: Dict[str, Any], now: Dict[str, A
         return {}
     if not isinstance(written, dict):
         return {}
-    filled = {}
-    for k in missing:
-        f = run_fields[k]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore
-        filled[k] = json.loads(json.dumps(written.get(k, default), default=str))
-    return filled
+    return {k: json.loads(json.dumps(written.get(k, setting_default(k)), default=str)) for k in missing}
 
 
 def _without_options_checked_by_state(identity: Dict[str, Any]) -> Dict[str, Any]:
@@ -347,7 +343,7 @@ def _check_identity(directory: str, body: Dict[str, Any], identity: Dict[str, An
                           for o in sorted(set(a) | set(b)) if a.get(o) != b.get(o)]
             elif k not in recorded:  # written before the identity held it
                 where = (" nor by the run's config.yaml beside checkpoints/ (missing or unreadable)"
-                         if k in _run_fields() else "")
+                         if k in _run_settings() else "")
                 diffs.append(f"{k}: not recorded by the checkpoint (it predates that record){where} vs now {b!r}")
             else:
                 diffs.append(f"{k}: checkpoint {a!r} vs now {b!r}")

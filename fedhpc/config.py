@@ -432,6 +432,15 @@ def _same_meaning(old_cls, new_cls, name: str) -> bool:
 OPTION_OWNERS = {"algo_options": "algo", "data_options": "dataset", "model_options": "model"}
 
 
+def setting_default(name: str) -> Any:
+    """RunConfig's default for the setting ``name`` (what the launcher uses when a run omits it);
+    None for a name that is no RunConfig field."""
+    for f in fields(RunConfig):
+        if f.name == name:
+            return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+    return None
+
+
 def algorithm_identity_settings(algo: Any) -> Tuple[str, ...]:
     """``identity_settings`` of the algorithm named ``algo`` (the settings its updates read beyond
     RunConfig.IDENTITY: pMixFed's schedule reads ``rounds``); () for a name the registry does not

@@ -40,8 +40,6 @@ def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-
-
 def meaning(config: Dict[str, Any]) -> Dict[str, Any]:
     """``config`` with each setting spelled one way, so that runs computing the same thing fall in
     one group: names as the registries spell them, the partition as it parses, and each option

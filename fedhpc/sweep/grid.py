@@ -61,12 +61,13 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple, get_type_hints
 
 import yaml
 
-from ..config import RunConfig, algorithm_identity_settings, identity_changes, load_yaml, parse_args
+from ..config import (RunConfig, algorithm_identity_settings, identity_changes, load_yaml, parse_args,
+                      setting_default)
 from ..errors import ConfigError, FedHPCError
 
 GRID_KEYS = ("name", "config", "base", "axes", "zip", "ranks", "out", "slurm")
@@ -288,14 +289,6 @@ def _label(axes: Dict[str, Any]) -> str:
     return "_".join(p for p in parts if p)[:80] or "run"
 
 
-def _default(name: str) -> Any:
-    """RunConfig's default for the setting ``name`` (what the launcher uses when a point omits it)."""
-    for f in fields(RunConfig):
-        if f.name == name:
-            return f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
-    return None
-
-
 def run_hash(settings: Dict[str, Any]) -> str:
     """8 hex digits of SHA-1 over the identity settings as written (canonical JSON): RunConfig.IDENTITY
     and the point's algorithm's ``identity_settings`` (the latter only when it has any, so that the
@@ -303,7 +296,7 @@ def run_hash(settings: Dict[str, Any]) -> str:
     ident = {k: settings[k] for k in RunConfig.IDENTITY if k in settings}
     for k in algorithm_identity_settings(settings.get("algo", RunConfig.algo)):
         if k not in RunConfig.IDENTITY:  # those are hashed as written already
-            ident[k] = settings[k] if k in settings else _default(k)
+            ident[k] = settings[k] if k in settings else setting_default(k)
     blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:8]
 
