@@ -3,12 +3,13 @@ uninterrupted run ends.
 
 Every other resume test resumes what the same code wrote a moment before, or a body crafted
 to look old. The runs under tests/fixtures/old_checkpoints/ were made by the commit named in
-its COMMIT file (make.sh there regenerates them), on two ranks, and cut after their round-2
-checkpoint. That commit predates several things today's reader must fill in for an old
+its COMMIT file, or in the case folder's own COMMIT (make.sh there regenerates them), on two
+ranks, and cut after their round-2 checkpoint. That commit predates several things today's reader must fill in for an old
 checkpoint: client-state shards without index.json, pMixFed's --first-layer-index (its
 layers were numbered from 0) and ``rounds`` in its identity, an algorithm name stored as typed
-('FedMix'), the mean-data download record. Every algorithm that commit had is there but
-FedAlign (make.sh says why); each run is resumed here on one rank (the two shards fold onto it).
+('FedMix'), the mean-data download record. Every algorithm that commit had is there, FedAlign
+made by a later one (make.sh says why); each run is resumed here on one rank (the two shards
+fold onto it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from test_algorithm_standard import assert_states_equal
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "old_checkpoints")
 CASES = json.load(open(os.path.join(HERE, "cases.json")))
-COMMIT = open(os.path.join(HERE, "COMMIT")).read().strip()[:10]
+
+
+def _commit(name):
+    """The commit that wrote case ``name``: its folder's COMMIT, else the fixtures' default."""
+    own = os.path.join(HERE, name, "COMMIT")
+    return open(own if os.path.exists(own) else os.path.join(HERE, "COMMIT")).read().strip()[:10]
+
+
 #: what make.sh adds to every case
 COMMON = ["--rounds", "4", "--checkpoint-every", "2", "--threads", "1", "--no-tensorboard", "--quiet"]
 #: what today's resume must be told that the old run did not write down
@@ -68,10 +76,10 @@ def test_an_old_checkpoint_resumes_to_where_todays_uninterrupted_run_ends(name, 
     assert eng_res.start_round == 2, "the old checkpoint was not resumed (the run started over)"
     full, eng_full, states_full = todays_runs(name)
     assert torch.equal(eng_full.global_state, eng_res.global_state), (
-        f"resuming {COMMIT}'s round-2 checkpoint of {name} ends "
+        f"resuming {_commit(name)}'s round-2 checkpoint of {name} ends "
         f"{float((eng_full.global_state - eng_res.global_state).abs().max()):.3g} away from today's uninterrupted "
         f"run (if test_the_old_commit_ran_the_case_as_today_does fails too, today's numbers differ from that "
-        f"commit's: when intended, regenerate with bash tests/fixtures/old_checkpoints/make.sh HEAD)")
+        f"commit's: when intended, regenerate with bash tests/fixtures/old_checkpoints/make.sh HEAD {name})")
     assert_states_equal(states_full, states_res)
     # rounds 3-4 that the old run wrote after its checkpoint were rewound and written again by
     # today's code; rounds 1-2 are the old run's (its 2-rank loss sums differ from today's 1-rank
@@ -94,8 +102,8 @@ def test_the_old_commit_ran_the_case_as_today_does(name, todays_runs):
         if k.endswith("num_batches_tracked"):  # since 9a5a080 not federated: the file holds the initial 0
             continue
         assert torch.equal(old[k], today[k]), (
-            f"{name}: {k} differs from {COMMIT}'s: if today's numbers changed on purpose, regenerate the "
-            f"fixtures with bash tests/fixtures/old_checkpoints/make.sh HEAD")
+            f"{name}: {k} differs from {_commit(name)}'s: if today's numbers changed on purpose, regenerate the "
+            f"case with bash tests/fixtures/old_checkpoints/make.sh HEAD {name}")
 
 
 def test_an_old_pmixfed_checkpoint_is_refused_under_todays_default_numbering(tmp_path):
