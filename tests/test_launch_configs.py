@@ -61,3 +61,60 @@ def test_paper_configs_carry_their_tables_identity(name):
     assert {"paper", "table", "row", "metric"} <= set(ref), f"{name}: reference {ref}"
     if ref["table"].startswith("Table"):  # figures (Mix2FLD Fig. 2) have no printed number
         assert isinstance(ref.get("value"), (int, float)), f"{name}: the paper's number is missing"
+
+
+# ---------------------------------------------------------------- every file builds its run
+
+@pytest.fixture(scope="module")
+def data_dirs(tmp_path_factory):
+    """Tiny files in the published formats, large enough for every shipped partition (pMixFed's
+    classes:50 over 100 clients, XorMixFL's server set of 200 per label, 110 FEMNIST writers, 70
+    Shakespeare roles); ImageNet-200 prepared at 256 px, as the files' center_crop 224 needs."""
+    import pickle
+    import string
+
+    import h5py
+    import numpy as np
+
+    from fedhpc.data.prepare import main as prepare
+    from test_formats import cifar_rows, make_mnist, write_cifar10, write_image_tree, write_tff_femnist
+
+    root = tmp_path_factory.mktemp("datasets")
+    make_mnist(str(root), n_train=10000, n_test=200)
+    write_cifar10(str(root), per_batch=600, n_test=200)
+    (root / "cifar-100-python").mkdir()
+    for name, n, start in (("train", 6000, 0), ("test", 200, 50000)):
+        _, rows = cifar_rows(n, start)
+        with open(root / "cifar-100-python" / name, "wb") as f:
+            pickle.dump({b"data": rows, b"fine_labels": [i % 100 for i in range(start, start + n)],
+                         b"coarse_labels": [i % 20 for i in range(start, start + n)], b"filenames": [b"a"] * n}, f,
+                        protocol=2)
+    write_tff_femnist(str(root / "femnist"), sizes={f"f{i:04d}_{i % 50:02d}": 20 + i % 7 for i in range(110)})
+    rng = np.random.default_rng(0)
+    alphabet = list(string.ascii_letters + " .,;!?'\n")
+    (root / "shakespeare").mkdir()
+    for split in ("train", "test"):
+        with h5py.File(root / "shakespeare" / f"shakespeare_{split}.h5", "w") as f:
+            for r in range(70):
+                lines = ["".join(rng.choice(alphabet, size=200)) for _ in range(3 if split == "train" else 1)]
+                f.create_dataset(f"examples/ROLE_{r}/snippets", data=np.array(lines, dtype=object),
+                                 dtype=h5py.string_dtype())
+    write_image_tree(str(root / "imagenet"), classes=tuple(f"n{i:05d}" for i in range(210)), n_train=3, n_val=1)
+    assert prepare(["imagenet200", "--src", str(root / "imagenet"), "--out", str(root / "imagenet200.h5"),
+                    "--size", "256", "--num-classes", "200", "--seed", "0"]) == 0
+    return str(root)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_config_builds_its_run(name, data_dirs):
+    """Parsing a file checks its settings one by one; building the engine checks them together, as
+    the job would after its queue wait: the dataset read from its files and partitioned, the model
+    built for its input, the algorithm set up on that model (FedAlign's residual last block,
+    pMixFed's layers, XorMixFL's server set). No round is trained."""
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    cfg, algo_opts, data_opts = parse_args(["--config", os.path.join(LAUNCH_DIR, name), "--data-dir", data_dirs,
+                                            "--quiet", "--no-tensorboard", "--threads", "1"])
+    eng = Engine(cfg, algo_opts, data_opts, World(threads=1))
+    assert eng.global_state.numel() > 0 and eng.data.num_clients == cfg.num_clients
