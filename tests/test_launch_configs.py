@@ -1,4 +1,5 @@
-"""The shipped experiment files say which augmentation their paper used and set it.
+"""The shipped experiment files (launch/): each says which augmentation its paper used and sets
+it, carries its table's identity, and builds its run on tiny files in the published formats.
 
 Issue 7, section 6: a config that silently inherits a dataset's augmentation default
 (CIFAR: random crop + flip on) does not reproduce a paper that used none.
