@@ -294,19 +294,16 @@ def _unrecorded_settings(directory: str, saved: Dict[str, Any], now: Dict[str, A
     that config.yaml lacks too did not exist then: the run had its default. Without config.yaml
     the setting is left out, and the comparison names it (``checkpoint None``)."""
     from .config import setting_default
+    from .sweep.state import read_config
 
     missing = [k for k in now if k not in saved and k in _run_settings()]
     if not missing:
         return {}
-    import yaml
-
-    out_dir = os.path.dirname(os.path.dirname(os.path.normpath(directory)))  # OUT/checkpoints/round_N
     try:
-        with open(os.path.join(out_dir, "config.yaml")) as f:
-            written = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        written = read_config(os.path.dirname(os.path.dirname(os.path.normpath(directory))))  # OUT/checkpoints/round_N
+    except CheckpointError:  # unreadable: the refusal names what is missing
         return {}
-    if not isinstance(written, dict):
+    if written is None:
         return {}
     return {k: json.loads(json.dumps(written.get(k, setting_default(k)), default=str)) for k in missing}
 
