@@ -238,14 +238,20 @@ def test_cifar10_pickles_planes_and_partitions(tmp_path):
     assert np.array_equal(data.test_slice(0, 10)[0].numpy(), expected)
 
 
-def test_cifar100_fine_and_coarse(tmp_path):
-    d = tmp_path / "cifar-100-python"
-    d.mkdir()
-    for name, n, start in (("train", 40, 0), ("test", 8, 500)):
+def write_cifar100(root, n_train=40, n_test=8, test_start=500):
+    """cifar-100-python/{train,test} pickles; fine label = id % 100, coarse = id % 20."""
+    d = os.path.join(root, "cifar-100-python")
+    os.makedirs(d, exist_ok=True)
+    for name, n, start in (("train", n_train, 0), ("test", n_test, test_start)):
         _, rows = cifar_rows(n, start)
-        with open(d / name, "wb") as f:
+        with open(os.path.join(d, name), "wb") as f:
             pickle.dump({b"data": rows, b"fine_labels": [i % 100 for i in range(start, start + n)],
                          b"coarse_labels": [i % 20 for i in range(start, start + n)], b"filenames": [b"a"] * n}, f, protocol=2)
+    return d
+
+
+def test_cifar100_fine_and_coarse(tmp_path):
+    write_cifar100(str(tmp_path))
     fine = build_dataset(cfg_for(tmp_path, "cifar100", "iid", 2), opts("cifar100", store="memory"))
     coarse = build_dataset(cfg_for(tmp_path, "cifar100", "iid", 2), opts("cifar100", coarse=True, store="memory"))
     assert (fine.num_classes, coarse.num_classes) == (100, 20)
@@ -523,11 +529,12 @@ def decode(ids):
     return "".join(VOCAB[i] for i in ids)
 
 
-def write_tff_shakespeare(root):
+def write_tff_shakespeare(root, roles=None):
+    """TFF layout: examples/<role>/snippets strings; the test split holds each role's first line six times."""
     os.makedirs(root, exist_ok=True)
     for split in ("train", "test"):
         with h5py.File(os.path.join(root, f"shakespeare_{split}.h5"), "w") as f:
-            for role, lines in ROLES.items():
+            for role, lines in (roles or ROLES).items():
                 lines = lines if split == "train" else [lines[0] * 6]
                 f.create_dataset(f"examples/{role}/snippets", data=np.array(lines, dtype=object),
                                  dtype=h5py.string_dtype())

@@ -71,35 +71,23 @@ def data_dirs(tmp_path_factory):
     """Tiny files in the published formats, large enough for every shipped partition (pMixFed's
     classes:50 over 100 clients, XorMixFL's server set of 200 per label, 110 FEMNIST writers, 70
     Shakespeare roles); ImageNet-200 prepared at 256 px, as the files' center_crop 224 needs."""
-    import pickle
     import string
 
-    import h5py
     import numpy as np
 
     from fedhpc.data.prepare import main as prepare
-    from test_formats import cifar_rows, make_mnist, write_cifar10, write_image_tree, write_tff_femnist
+    from test_formats import (make_mnist, write_cifar10, write_cifar100, write_image_tree, write_tff_femnist,
+                              write_tff_shakespeare)
 
     root = tmp_path_factory.mktemp("datasets")
     make_mnist(str(root), n_train=10000, n_test=200)
     write_cifar10(str(root), per_batch=600, n_test=200)
-    (root / "cifar-100-python").mkdir()
-    for name, n, start in (("train", 6000, 0), ("test", 200, 50000)):
-        _, rows = cifar_rows(n, start)
-        with open(root / "cifar-100-python" / name, "wb") as f:
-            pickle.dump({b"data": rows, b"fine_labels": [i % 100 for i in range(start, start + n)],
-                         b"coarse_labels": [i % 20 for i in range(start, start + n)], b"filenames": [b"a"] * n}, f,
-                        protocol=2)
+    write_cifar100(str(root), n_train=6000, n_test=200, test_start=50000)
     write_tff_femnist(str(root / "femnist"), sizes={f"f{i:04d}_{i % 50:02d}": 20 + i % 7 for i in range(110)})
     rng = np.random.default_rng(0)
     alphabet = list(string.ascii_letters + " .,;!?'\n")
-    (root / "shakespeare").mkdir()
-    for split in ("train", "test"):
-        with h5py.File(root / "shakespeare" / f"shakespeare_{split}.h5", "w") as f:
-            for r in range(70):
-                lines = ["".join(rng.choice(alphabet, size=200)) for _ in range(3 if split == "train" else 1)]
-                f.create_dataset(f"examples/ROLE_{r}/snippets", data=np.array(lines, dtype=object),
-                                 dtype=h5py.string_dtype())
+    write_tff_shakespeare(str(root / "shakespeare"),
+                          roles={f"ROLE_{r}": ["".join(rng.choice(alphabet, size=200)) for _ in range(3)] for r in range(70)})
     write_image_tree(str(root / "imagenet"), classes=tuple(f"n{i:05d}" for i in range(210)), n_train=3, n_val=1)
     assert prepare(["imagenet200", "--src", str(root / "imagenet"), "--out", str(root / "imagenet200.h5"),
                     "--size", "256", "--num-classes", "200", "--seed", "0"]) == 0
