@@ -155,6 +155,18 @@ def test_methods_refuse_models_without_their_hooks():
     assert parse_rounds("25, 5,last", 30) == [5, 25, 30] and parse_rounds("") == []
 
 
+@pytest.mark.parametrize("algo", ["fedalign", "gradaug", "stochdepth"])
+def test_a_refused_model_is_named_as_the_model_flag_names_it(algo):
+    """The refusal names the model by the value --model takes (not the class, SmallCNN), says when
+    it is the dataset's default because --model was left at auto, and names the models that work."""
+    for model, named in ([], "'cnn' (the digits default, as --model is auto)"), (["--model", "mlp"], "'mlp'"):
+        with pytest.raises(ConfigError) as refused:
+            Engine(*parse_args(["--algo", algo, *BASE, *model]), World(threads=1))
+        message = str(refused.value)
+        assert f"the run's model {named} has not" in message and "--model resnet56 or resnet18" in message
+        assert "resnet_digits for the digits data" in message and "SmallCNN" not in message and "MLP" not in message
+
+
 # ----------------------------------------------------------------------------- MOON
 
 def test_moon_contrastive_loss_by_hand():

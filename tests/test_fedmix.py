@@ -17,6 +17,7 @@ from torch import nn
 from fedhpc.algorithms.base import soft_loss
 from fedhpc.algorithms.mixing import (MixSpace, fedmix_loss, global_mixup_loss, mixup_loss,
                                       naivemix_loss, one_hot)
+from fedhpc.errors import ConfigError
 
 # float(loss) on graph-carrying losses is intended here (values only).
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
@@ -201,7 +202,7 @@ def test_text_means_are_mean_one_hot_and_mix_as_mean_embeddings():
     torch.manual_seed(0)
     model = TinyCharLSTM().double()
     space = MixSpace("next_char", 7)
-    space.check(model)
+    space.check(model, "'tiny'")
     for cid in range(3):
         c = data.client(cid)
         freq = torch.stack([torch.bincount(c.x[:, p], minlength=7) for p in range(6)]).double() / c.num_train
@@ -215,8 +216,8 @@ def test_text_means_are_mean_one_hot_and_mix_as_mean_embeddings():
                         space.lift_means(model, md.x[1:2].double()), md.y[1:2].double(), 0.1)
     grads = torch.autograd.grad(total, list(model.parameters()))
     assert all(float(g.abs().sum()) > 0 for g in grads)
-    with pytest.raises(Exception, match="embed"):
-        MixSpace("next_char", 7).check(nn.Linear(3, 3))
+    with pytest.raises(ConfigError, match=r"embed\(\) .*the run's model 'cnn' has not: pass --model lstm_char"):
+        MixSpace("next_char", 7).check(nn.Linear(3, 3), "'cnn'")  # no embedding to mix in
 
 
 def test_fedmix_runs_the_lstm_forward_without_cudnn_on_cuda_and_unchanged_on_cpu(monkeypatch):

@@ -222,6 +222,14 @@ class Algorithm:
         #: every device up front (mean data, seeds, encoded uploads) collect from these alone.
         self.training_clients: List[int] = list(range(data.num_clients))
 
+    @property
+    def model_named(self) -> str:
+        """The run's model as a message names it: its registry name, and where --model is auto that
+        it is the dataset's default (the class name would be no value --model takes)."""
+        if self.cfg.model == "auto":
+            return f"{self.data.default_model()!r} (the {self.data.name} default, as --model is auto)"
+        return repr(self.cfg.model)
+
     def hosted_training_clients(self) -> List[int]:
         """The training clients whose up-front exchange (seeds, shared samples, encoded uploads)
         this rank computes: client c on rank c % size, as the mean-data exchange deals them

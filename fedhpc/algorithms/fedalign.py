@@ -73,7 +73,7 @@ class FedAlign(LocalRegAlgorithm):
 
     def setup(self):
         super().setup()
-        require_resnet(self.model, "fedalign", "run_last_block")
+        require_resnet(self, "run_last_block")
 
     def loss(self, model, x, y, ctx):
         o = self.options

@@ -81,7 +81,7 @@ class GlobalMix(Algorithm):
     def setup(self):
         self.options = self.options or GlobalMixOptions()
         self.space = MixSpace(self.data.task, self.data.num_classes)
-        self.space.check(self.model)
+        self.space.check(self.model, self.model_named)
         self.pool = None
         self.kept = KeptCopies(self.data.num_clients)  # who received the pool (the download ledger)
         self.warn("GlobalMix VIOLATES PRIVACY: every client shares its raw training samples with "

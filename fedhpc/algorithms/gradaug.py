@@ -65,7 +65,7 @@ class GradAug(LocalRegAlgorithm):
 
     def setup(self):
         super().setup()
-        require_resnet(self.model, "gradaug", "forward_width")
+        require_resnet(self, "forward_width")
         if getattr(self.model, "proj_head", None) is not None:
             raise ConfigError("gradaug slims the whole network, which has no reading for a projection head: "
                               "drop --model-opt projection_dim")

@@ -53,13 +53,13 @@ class LocalRegAlgorithm(Algorithm):
         evaluated; the algorithm calls it when training starts."""
 
 
-def require_resnet(model: nn.Module, method: str, *hooks: str) -> None:
-    """Refuse a model without the hooks ``method`` needs, naming the models that have them."""
-    missing = [h for h in hooks if not hasattr(model, h)]
+def require_resnet(algo: Algorithm, *hooks: str) -> None:
+    """Refuse a model without the hooks the method ``algo`` needs, naming the models that have them."""
+    missing = [h for h in hooks if not hasattr(algo.model, h)]
     if missing:
         raise ConfigError(
-            f"{method} needs a residual model with {', '.join(missing)} (resnet56, resnet18, or "
-            f"resnet_digits for the digits data); --model {type(model).__name__} has not")
+            f"{algo.cfg.algo} needs a residual model with {', '.join(missing)}; the run's model "
+            f"{algo.model_named} has not: pass --model resnet56 or resnet18, or resnet_digits for the digits data")
 
 
 # --------------------------------------------------------------------------- FedAlign's Lipschitz estimate

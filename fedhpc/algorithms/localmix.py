@@ -66,7 +66,7 @@ class LocalMix(Algorithm):
     def setup(self):
         self.options = self.options or LocalMixOptions()
         self.space = MixSpace(self.data.task, self.data.num_classes)
-        self.space.check(self.model)
+        self.space.check(self.model, self.model_named)
 
     def loss(self, model, x, y, ctx):
         gen = ctx.extra.setdefault("perm_gen", ctx.generator("local_mix"))

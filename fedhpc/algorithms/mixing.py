@@ -161,10 +161,12 @@ class MixSpace:
         self.text = task == "next_char"
         self.num_classes = num_classes
 
-    def check(self, model: nn.Module) -> None:
+    def check(self, model: nn.Module, named: str) -> None:
+        """Refuse a text model that cannot be mixed in embedding space; ``named``: the model as the
+        message names it (:attr:`Algorithm.model_named`)."""
         if self.text and not (hasattr(model, "embed") and hasattr(model, "forward_embedded")):
-            raise ConfigError(f"mixup on text needs a model with embed() and forward_embedded() "
-                              f"(e.g. lstm_char); {type(model).__name__} has not")
+            raise ConfigError(f"mixup on text needs a model with embed() and forward_embedded(); the run's model "
+                              f"{named} has not: pass --model lstm_char")
 
     def f(self, model: nn.Module) -> Model:
         return model.forward_embedded if self.text else model

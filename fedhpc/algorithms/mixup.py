@@ -49,7 +49,7 @@ class Mixup(LocalRegAlgorithm):
     def setup(self):
         super().setup()
         self.space = MixSpace(self.data.task, self.data.num_classes)
-        self.space.check(self.model)
+        self.space.check(self.model, self.model_named)
 
     def loss(self, model, x, y, ctx):
         gamma = self.options.gamma

@@ -78,7 +78,7 @@ class NaiveMix(Algorithm):
     def setup(self):
         self.options = self.options or self.Options()
         self.space = MixSpace(self.data.task, self.data.num_classes)
-        self.space.check(self.model)
+        self.space.check(self.model, self.model_named)
         self.exchange = MeanDataExchange(self, self.options)
 
     def round_begin(self, rnd):

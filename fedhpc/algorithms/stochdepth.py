@@ -43,7 +43,7 @@ class StochDepth(LocalRegAlgorithm):
 
     def setup(self):
         super().setup()
-        require_resnet(self.model, "stochdepth", "set_stochastic_depth", "set_depth_generator")
+        require_resnet(self, "set_stochastic_depth", "set_depth_generator")
 
     # The keep probabilities go onto the shared model when training starts (every round,
     # and on resume, which may evaluate without a round), not at construction: until then
