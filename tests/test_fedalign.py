@@ -167,6 +167,17 @@ def test_a_refused_model_is_named_as_the_model_flag_names_it(algo):
         assert "resnet_digits for the digits data" in message and "SmallCNN" not in message and "MLP" not in message
 
 
+def test_moon_refusal_advises_what_gives_a_run():
+    """A model without a projection head: the advice is the option where the model takes it, else a
+    model that does (the cnn would refuse --model-opt projection_dim next); following it builds."""
+    with pytest.raises(ConfigError, match=r"the run's model 'cnn' \(the digits default, as --model is auto\) has "
+                                          r"none: pass --model resnet56 or resnet18 \(resnet_digits"):
+        Engine(*parse_args(["--algo", "moon", *BASE]), World(threads=1))
+    with pytest.raises(ConfigError, match="the run's model 'resnet_digits' has none: add --model-opt projection_dim"):
+        Engine(*parse_args(["--algo", "moon", *BASE, *TINY]), World(threads=1))
+    assert engine("moon").algo.model.proj_head is not None  # TINY with --model-opt projection_dim=8
+
+
 # ----------------------------------------------------------------------------- MOON
 
 def test_moon_contrastive_loss_by_hand():

@@ -223,12 +223,17 @@ class Algorithm:
         self.training_clients: List[int] = list(range(data.num_clients))
 
     @property
+    def model_name(self) -> str:
+        """The registry name of the run's model (--model, or the dataset's default under auto)."""
+        return self.data.default_model() if self.cfg.model == "auto" else self.cfg.model
+
+    @property
     def model_named(self) -> str:
         """The run's model as a message names it: its registry name, and where --model is auto that
         it is the dataset's default (the class name would be no value --model takes)."""
         if self.cfg.model == "auto":
-            return f"{self.data.default_model()!r} (the {self.data.name} default, as --model is auto)"
-        return repr(self.cfg.model)
+            return f"{self.model_name!r} (the {self.data.name} default, as --model is auto)"
+        return repr(self.model_name)
 
     def hosted_training_clients(self) -> List[int]:
         """The training clients whose up-front exchange (seeds, shared samples, encoded uploads)

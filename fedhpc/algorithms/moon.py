@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..flat import FlatModel
+from ..models import model_option_params
 from . import register_algorithm
 from .base import task_loss
 from .local_reg import LocalRegAlgorithm, LocalRegOptions
@@ -74,8 +75,12 @@ class Moon(LocalRegAlgorithm):
     def setup(self):
         super().setup()
         if getattr(self.model, "proj_head", None) is None:
-            raise ConfigError("moon needs a model with a projection head: add --model-opt projection_dim=256 "
-                              "(resnet56, resnet18, resnet_digits)")
+            # following the advice must give a run: a model without the option would refuse it next
+            fix = ("add --model-opt projection_dim=256" if "projection_dim" in model_option_params(self.model_name)
+                   else "pass --model resnet56 or resnet18 (resnet_digits for the digits data) with "
+                        "--model-opt projection_dim=256")
+            raise ConfigError(f"moon needs a model with a projection head; the run's model {self.model_named} "
+                              f"has none: {fix}")
         # Frozen copies for the global and the previous model, each behind its own flat
         # buffer so that loading one is a single copy.
         self.frozen = {}
