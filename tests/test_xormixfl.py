@@ -230,6 +230,20 @@ def test_one_shot_algorithms_need_the_server_set():
         Engine(cfg, ao, do, World(threads=1))
 
 
+@pytest.mark.parametrize("algo", ["xormixfl", "mixfl"])
+def test_a_balanced_server_set_is_refused_before_any_upload(algo):
+    """A server set with every label at server_per_label lacks nothing: the devices would be asked for
+    no sample, which round 1 used to report as 'no training device holds a target label'."""
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    cfg, ao, do = parse_args(["--algo", algo, *DIGITS, "--clients-per-round", "2", "--model", "mlp",
+                              "--data-opt", "server_per_label=10", "--threads", "1", "--quiet", "--no-tensorboard"])
+    with pytest.raises(ConfigError, match=r"holds 10 of every label, so it lacks none; name its target labels "
+                                          r"with --data-opt server_deficient=L1,L2"):
+        Engine(cfg, ao, do, World(threads=1))
+
+
 # ----------------------------------------------------------------------------- MDS privacy (Table 3)
 
 def brute_force_mds(points, dims):

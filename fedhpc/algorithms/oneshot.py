@@ -472,6 +472,15 @@ class EncodedUploads(OneShotServer):
     Options = EncodingOptions
     kind = "xor"
 
+    def setup(self):
+        super().setup()
+        counts = self.server_counts()
+        if not balance_deficits(counts):  # refused here: the devices would be asked for nothing
+            raise ConfigError(f"--algo {self.name} collects encoded samples of the labels the server's base set "
+                              f"lacks, but that set holds {counts[0]} of every label, so it lacks none; name its "
+                              f"target labels with --data-opt server_deficient=L1,L2 --data-opt "
+                              f"server_deficient_count=n (n < server_per_label)")
+
     def device_pixels(self, cid: int) -> Tuple[torch.Tensor, torch.Tensor]:
         c = self.data.client(cid)
         return to_pixels(c.x), c.y
