@@ -188,7 +188,7 @@ def node_view(use_cuda, ranks, gpus):
     (True, 2, 2, "gloo", "gloo"),     # asked for, and possible
 ])
 def test_the_backend_follows_ranks_per_gpu(use_cuda, ranks, gpus, requested, expect):
-    from fedhpc.world import agree_backend
+    from fedhpc.layout import agree_backend
 
     backend, note = agree_backend([node_view(use_cuda, ranks, gpus)], requested)
     assert backend == expect
@@ -205,7 +205,7 @@ def test_the_backend_follows_ranks_per_gpu(use_cuda, ranks, gpus, requested, exp
 ])
 def test_an_impossible_backend_is_refused_with_the_fix(use_cuda, ranks, gpus, requested, needle):
     from fedhpc.errors import ConfigError
-    from fedhpc.world import agree_backend
+    from fedhpc.layout import agree_backend
 
     with pytest.raises(ConfigError, match=needle):
         agree_backend([node_view(use_cuda, ranks, gpus)], requested)

@@ -2,7 +2,7 @@
 
 Nothing here starts a process group: World is built with SLURM's variables set by hand and
 torch.cuda, sched_getaffinity, set_num_threads and init_process_group replaced, so each case
-reads what World would pick on that node. The pure rules (slurm_tasks_per_node,
+reads what World would pick on that node. The pure rules of fedhpc/layout.py (slurm_tasks_per_node,
 ranks_sharing_cores, threads_per_rank, gpu_layout) are checked directly as well.
 """
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fedhpc.layout as layout
 import fedhpc.world as world
 from fedhpc.errors import ConfigError
 
@@ -120,9 +121,9 @@ def test_gpu_per_task_accepts_nccl_when_asked(monkeypatch):
     (dict(SLURM_GPUS_ON_NODE="junk", SLURM_GPUS_PER_TASK="x:y"), 4, 4, 1, (4, 1)),  # unreadable: ignored
 ])
 def test_gpu_layout_rule(env, local_size, busiest, visible, expect):
-    assert world.gpu_layout(env, "srun", local_size, busiest, visible) == expect
+    assert layout.gpu_layout(env, "srun", local_size, busiest, visible) == expect
     # other launchers' local ranks are not SLURM's tasks: what this process sees, as before
-    assert world.gpu_layout(env, "torchrun", local_size, busiest, visible) == (local_size, visible)
+    assert layout.gpu_layout(env, "torchrun", local_size, busiest, visible) == (local_size, visible)
 
 
 # ------------------------------------------------------------------ 2. CPU binding
@@ -169,14 +170,14 @@ def test_auto_threads_use_the_whole_bound_mask(monkeypatch):
 def test_binding_is_read_for_srun_tasks_only():
     """torchrun or mpiexec inside one srun task: its ranks inherit that task's binding and share it."""
     env = dict(CORES_BOUND)
-    assert world.ranks_sharing_cores(env, "srun", 1, 2) == (1, True)
-    assert world.ranks_sharing_cores(env, "torchrun", 1, 2) == (2, False)
-    assert world.ranks_sharing_cores(env, "mpi", 1, 2) == (2, False)
+    assert layout.ranks_sharing_cores(env, "srun", 1, 2) == (1, True)
+    assert layout.ranks_sharing_cores(env, "torchrun", 1, 2) == (2, False)
+    assert layout.ranks_sharing_cores(env, "mpi", 1, 2) == (2, False)
     # an unreadable list: the per-task type alone is trusted
-    assert world.ranks_sharing_cores(dict(SLURM_CPU_BIND_TYPE="cores,mask_cpu:", SLURM_CPU_BIND_LIST="zz"),
+    assert layout.ranks_sharing_cores(dict(SLURM_CPU_BIND_TYPE="cores,mask_cpu:", SLURM_CPU_BIND_LIST="zz"),
                                      "srun", 0, 4) == (1, True)
     # user masks repeated with *N, shared pairwise
-    assert world.ranks_sharing_cores(dict(SLURM_CPU_BIND_TYPE="mask_cpu:", SLURM_CPU_BIND_LIST="0x3*2,0xC*2"),
+    assert layout.ranks_sharing_cores(dict(SLURM_CPU_BIND_TYPE="mask_cpu:", SLURM_CPU_BIND_LIST="0x3*2,0xC*2"),
                                      "srun", 2, 4) == (2, True)
 
 
@@ -189,7 +190,7 @@ def test_binding_is_read_for_srun_tasks_only():
     (0, 3, 4, False, 1, True),
 ])
 def test_threads_per_rank(requested, cores, ranks, bound, threads, noted):
-    got, note = world.threads_per_rank(requested, cores, ranks, bound)
+    got, note = layout.threads_per_rank(requested, cores, ranks, bound)
     assert got == threads and bool(note) == noted
 
 
@@ -240,7 +241,7 @@ def test_node_id_outside_the_list_is_a_config_error(monkeypatch, node):
     ({}, (1, 1)),
 ])
 def test_slurm_tasks_per_node(env, expect):
-    assert world.slurm_tasks_per_node(env) == expect
+    assert layout.slurm_tasks_per_node(env) == expect
 
 
 # ------------------------------------------------------------------ 4. one backend for all ranks
@@ -264,7 +265,7 @@ def gpu_view(host, gpu=None, ranks=1, gpus=1, cuda=True):
     ("CPU only", [gpu_view("n0", cuda=False, gpus=0)] * 3, "gloo", ""),
 ])
 def test_the_ranks_agree_on_one_backend(what, views, expect, needle):
-    backend, note = world.agree_backend(views)
+    backend, note = layout.agree_backend(views)
     assert backend == expect, what
     assert (needle in note) if needle else note == "", (what, note)
 
@@ -276,7 +277,7 @@ def test_the_ranks_agree_on_one_backend(what, views, expect, needle):
 ])
 def test_nccl_that_some_rank_cannot_use_is_refused_naming_it(views, needle):
     with pytest.raises(ConfigError, match=needle):
-        world.agree_backend(views, "nccl")
+        layout.agree_backend(views, "nccl")
 
 
 def test_a_task_with_its_own_gpu_follows_a_node_whose_tasks_share_one(monkeypatch):
