@@ -28,7 +28,7 @@ from .evaluation import Evaluation
 from .flat import FlatModel, refuse_cumulative_batchnorm
 from .io import atomic_torch_save
 from .models import build_model
-from .models.shapes import check_evaluation_shape, check_single_sample_batches
+from .models.shapes import check_evaluation_shape, check_model_takes_inputs, check_single_sample_batches
 from .run_log import RunLog
 from .reproducible_sum import MAX_TERMS, ReproducibleSum, storage_numel
 from .world import World, exact_sum_step
@@ -116,6 +116,12 @@ class Engine(Evaluation, RunLog):
                             cfg.model_options)
         self.model = model.to(world.device)
         refuse_cumulative_batchnorm(self.model)
+
+        def first_sample(cid: int) -> torch.Tensor:  # client cid's first training input, as training sees it
+            return self.data.transform(self.data.client(cid).x[:1], True, torch.Generator().manual_seed(0)
+                                       ).to(world.device)
+
+        check_model_takes_inputs(self.model, model_name, self.data, first_sample(self.training_clients[0]))
         check_evaluation_shape(self.model, model_name, self.data, world.device)
         self.flat = FlatModel(self.model)
         self.global_state = self.flat.flat.detach().clone()
@@ -130,9 +136,7 @@ class Engine(Evaluation, RunLog):
         self.algo.setup()
         check_single_sample_batches(
             self.model, model_name, [(c, int(self.sizes[c])) for c in self.training_clients], cfg.batch_size,
-            lambda cid: self.data.transform(self.data.client(cid).x[:1], True,
-                                            torch.Generator().manual_seed(0)).to(world.device),
-            self.algo.probe_forward)
+            first_sample, self.algo.probe_forward)
         if cfg.clients_at_once > 1:  # refuse what the batched path cannot train exactly, before any round
             from .batched import check_batchable
             check_batchable(self.algo, self.model, cfg)

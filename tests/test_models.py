@@ -130,6 +130,47 @@ def test_a_model_larger_than_memory_is_a_config_error_naming_its_options():
         build_model("cnn", (1, 8, 8), 10, {"width": 10**7})
 
 
+def _image_models():
+    load_model_modules()  # at collection: the registry fills as the model modules load
+    # lstm_char is the text model; mlp flattens anything (the engine's forward probe refuses it, below)
+    return sorted(n for n in MODELS.names() if n not in ("lstm_char", "mlp"))
+
+
+@pytest.mark.parametrize("name", _image_models())
+def test_an_image_model_refuses_character_ids_when_built(name):
+    """Every image model given a text dataset's input shape (a sequence of ids) names the problem
+    and the fix when built, not a ValueError from unpacking the shape."""
+    with pytest.raises(ConfigError, match=r"image models need input_shape \(C, H, W\); got \(80,\), which is no "
+                                          r"image .* use a model made for this data \(--model auto"):
+        build_model(name, (80,), 86)
+
+
+def test_a_model_that_cannot_take_the_data_is_refused_before_any_round(tmp_path):
+    """A text model on images, an image model (mlp) on character ids: one forward on a training
+    input before the first round names the model, the data's inputs and the dataset's default
+    model; before, the first batch raised torch's RuntimeError about embedding indices or dtypes."""
+    from test_formats import write_tff_shakespeare
+
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    write_tff_shakespeare(str(tmp_path / "shakespeare"))
+    common = ["--clients-per-round", "1", "--quiet", "--no-tensorboard", "--threads", "1"]
+    cases = [(["--dataset", "digits", "--num-clients", "4", "--model", "lstm_char"],
+              r"model 'lstm_char' cannot take the digits inputs \(float32 values of shape 1x8x8\): RuntimeError: "
+              r".*Use a model made for them: the digits default is 'cnn' \(--model auto\)"),
+             (["--dataset", "shakespeare", "--data-dir", str(tmp_path), "--num-clients", "1", "--model", "mlp"],
+              r"model 'mlp' cannot take the shakespeare inputs \(integer ids of shape 80\): RuntimeError: "
+              r".*the shakespeare default is 'lstm_char'")]
+    for argv, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            Engine(*parse_args([*argv, *common]), World(threads=1))
+    # what the advice names builds
+    Engine(*parse_args(["--dataset", "shakespeare", "--data-dir", str(tmp_path), "--num-clients", "1", *common]),
+           World(threads=1))
+
+
 def test_other_runtime_errors_of_a_builder_pass_through(monkeypatch):
     def broken(input_shape, num_classes):
         raise RuntimeError("a bug in the builder")

@@ -14,7 +14,9 @@ from ..errors import ConfigError
 def image_shape(input_shape) -> Tuple[int, int, int]:
     shape = tuple(int(s) for s in input_shape)
     if len(shape) != 3 or min(shape) < 1:
-        raise ConfigError(f"image models need input_shape (C, H, W); got {tuple(input_shape)}")
+        raise ConfigError(f"image models need input_shape (C, H, W); got {tuple(input_shape)}, which is no image "
+                          f"(e.g. a sequence of character ids): use a model made for this data (--model auto "
+                          f"takes the dataset's default)")
     return shape  # type: ignore[return-value]
 
 
@@ -73,6 +75,25 @@ def check_single_sample_batches(model: nn.Module, model_name: str, sizes: Sequen
                 f"channel, which BatchNorm cannot train on ({len(lone)} client(s) have such a batch). Use a "
                 f"--batch-size that leaves no client a single-sample batch{hint}, a model made for inputs of "
                 f"this size, or one without BatchNorm") from None
+
+
+def check_model_takes_inputs(model: nn.Module, model_name: str, data, sample: torch.Tensor) -> None:
+    """Refuse, before any round, a model that cannot take the data's inputs at all: a text model
+    (ids into an embedding) given images, an image model given character ids, ids beyond a
+    model's vocabulary. torch would raise in the first round's first batch with an error about
+    tensors that names neither the model nor the dataset. ``sample``: one training input, as
+    training sees it (batch of 1); one forward in evaluation mode on a copy of the model."""
+    probe = copy.deepcopy(model).eval()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            probe(sample)
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            kind = "integer ids" if not sample.is_floating_point() else f"{str(sample.dtype).replace('torch.', '')} values"
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ConfigError(
+                f"model {model_name!r} cannot take the {data.name} inputs ({kind} of shape "
+                f"{'x'.join(map(str, sample.shape[1:]))}): {type(e).__name__}: {first}. Use a model made for "
+                f"them: the {data.name} default is {data.default_model()!r} (--model auto)") from None
 
 
 def check_evaluation_shape(model: nn.Module, model_name: str, data, device) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 from ..errors import ConfigError
 
 from . import register_model
+from .shapes import image_shape
 from .vision import ConvBlocksWithHead
 
 
@@ -51,7 +52,7 @@ class SmallCNN(nn.Module):
                  norm: str = "none", dropout: float = 0.0):
         super().__init__()
         check_norm_dropout("cnn", norm, dropout)
-        c, h, w = input_shape
+        c, h, w = image_shape(input_shape)
 
         def bn(ch):
             return [nn.BatchNorm2d(ch)] if norm == "batch" else []
@@ -92,7 +93,7 @@ class PMixFedDigitsCNN(ConvBlocksWithHead):
                  dropout: float = 0.0):
         super().__init__()
         check_norm_dropout("pmixfed_cnn_digits", norm, dropout)
-        c, h, w = input_shape
+        c, h, w = image_shape(input_shape)
         blocks, in_ch = [], c
         for i in range(4):
             layers = [nn.Conv2d(in_ch, channels, 3, padding=1)]
