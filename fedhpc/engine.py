@@ -1,7 +1,7 @@
 """The round loop: sampling, sharding clients over ranks, one flat all-reduce, evaluation
-(:mod:`fedhpc.evaluation`), checkpoints and logging. It knows nothing about any specific
-algorithm: everything algorithm-specific happens in the hooks of
-:class:`fedhpc.algorithms.Algorithm`.
+(:mod:`fedhpc.evaluation`), checkpoints (:mod:`fedhpc.resume`) and logging
+(:mod:`fedhpc.run_log`). It knows nothing about any specific algorithm: everything
+algorithm-specific happens in the hooks of :class:`fedhpc.algorithms.Algorithm`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import checkpoint
 from .algorithms import ALGORITHMS, ClientContext, RoundInfo, load_algorithm_modules
 from .algorithms.base import Upload, derive_seed, seed_torch
 from .client_state import ClientStateStore
 from .config import RunConfig, build_options, parse_rounds
 from .data import ClientData, build_dataset
-from .errors import CheckpointError, ConfigError, NonFiniteLossError
+from .errors import ConfigError, NonFiniteLossError
 from .evaluation import Evaluation
 from .flat import FlatModel, refuse_cumulative_batchnorm
 from .io import atomic_torch_save
@@ -31,6 +30,7 @@ from .models import build_model
 from .models.shapes import check_evaluation_shape, check_model_takes_inputs, check_single_sample_batches
 from .run_log import RunLog
 from .reproducible_sum import MAX_TERMS, ReproducibleSum, storage_numel
+from .resume import Resume
 from .world import World, exact_sum_step
 
 #: exit code after a SIGTERM/SIGUSR1 checkpoint: "temporary failure, run again with --resume"
@@ -40,17 +40,6 @@ EXIT_PREEMPTED = 75
 class Preempted(Exception):
     def __init__(self, round_done: int):
         self.round_done = round_done
-
-
-def to_device(obj, device):
-    """``obj`` (nested dicts / lists / tuples of tensors) with every tensor moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
 
 
 def sample_clients(seed: int, round_index: int, num_clients: int, k: int) -> List[int]:
@@ -70,7 +59,7 @@ def assign_clients(sampled: List[int], sizes: np.ndarray, world_size: int) -> Di
     return out
 
 
-class Engine(Evaluation, RunLog):
+class Engine(Evaluation, RunLog, Resume):
     def __init__(self, cfg: RunConfig, algo_options, data_options, world: World):
         self.cfg, self.world = cfg, world
         self.is_main = world.rank == 0
@@ -415,109 +404,6 @@ class Engine(Evaluation, RunLog):
         if d.type == "cpu":
             return c
         return ClientData(c.cid, c.x.to(d, non_blocking=True), c.y.to(d, non_blocking=True), c.x_test, c.y_test)
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, round_done: int) -> None:
-        server = {
-            "identity": self._identity(),
-            "model": self.model_name,
-            "global_state": self.global_state.cpu(),
-            "algo_state": to_device(self.algo.state_dict(), "cpu"),
-            "cum_bytes": dict(self.cum_bytes),
-            "sim_seconds_total": self.sim_seconds_total,
-            "round_seconds_total": self.round_seconds_total,
-            "previous_convergence_state": self._previous_convergence_state,
-            # the run converged: it ends there whatever --rounds a resume gives (also when that
-            # was the last round: a longer run would have stopped there too)
-            "stop_round": self._converged_round,
-            # the round's training metrics, and its whole log record when it was logged with the
-            # final evaluation: a resume that moves the run's end logs that round again (_resume_records)
-            "round_metrics": self._round_metrics,
-            "final_record": self._final_record,
-        }
-        store = self.client_state if self.uses_store else None
-        checkpoint.save(self.cfg.out, round_done, self.world, server, store)
-
-    def _identity(self) -> Dict:
-        """The settings a checkpoint must share with the run resuming it: the config's, plus
-        those the algorithm's updates read (``Algorithm.identity_settings``)."""
-        return self.cfg.identity(self.algo.identity_settings)
-
-    def restore(self) -> None:
-        found = checkpoint.load_latest_intact(self.cfg.out, self._identity(), warn=self._warn, world=self.world,
-                                              auto_means={"model": self.data.default_model()})
-        if found is None:
-            if self.is_main:
-                print(f"no checkpoint in {self.cfg.out}: starting from round 0", flush=True)
-            return
-        directory, body = found
-        state = body["global_state"]
-        if state.shape != self.global_state.shape:
-            raise CheckpointError(f"checkpoint {directory} holds a model of {state.numel()} values, "
-                                  f"this run builds {self.global_state.numel()}; resume with the same model")
-        device = self.world.device
-        self.global_state = state.to(device)
-        self.algo.global_state = self.global_state
-        # Device contract: algorithms get their saved tensors back on the run's device.
-        self.algo.load_state_dict(to_device(body.get("algo_state") or {}, device))
-        self.cum_bytes = dict(body.get("cum_bytes", self.cum_bytes))
-        self.sim_seconds_total = float(body.get("sim_seconds_total", 0.0))
-        self.round_seconds_total = float(body.get("round_seconds_total", 0.0))
-        self._previous_convergence_state = body.get("previous_convergence_state")
-        if self.uses_store:
-            self.client_state.load_shards(body["client_state_dirs"], body.get("client_state_indexed", True))
-        self.start_round = int(body["round"])
-        old_final = body.get("last_round_metrics")  # checkpoints before round_metrics / final_record
-        self._resumed = {"round_metrics": body.get("round_metrics", old_final),
-                         "final_record": body.get("final_record"),
-                         "final_logged": body.get("final_record") is not None or old_final is not None}
-        self._round_metrics, self._final_record = self._resumed["round_metrics"], self._resumed["final_record"]
-        self.algo.rounds_done = self.start_round
-        if self.start_round > self.cfg.rounds:
-            raise CheckpointError(
-                f"checkpoint {directory} is after round {self.start_round}, past --rounds {self.cfg.rounds}; "
-                f"resume with --rounds {self.start_round} or more (its final model is "
-                f"{self.cfg.out}/final_model.pt if that run finished), or use another --out")
-        converged = body.get("stop_round") or ((old_final or {}).get("converged") and self.start_round)
-        if converged:
-            self.stop_round = self._converged_round = int(converged)  # the run had converged: nothing left to do
-        if self.is_main:
-            print(f"resumed from {directory} after round {self.start_round}", flush=True)
-
-    def _resume_records(self) -> Tuple[Optional[Dict[str, float]], Optional[Dict[str, float]]]:
-        """Collective. The log record that replaces the checkpoint round's on resume, and the
-        run's final metrics when that round is its last; (None, None): the log stays as it is.
-
-        The last round of a run is logged with the final evaluation (FedBABU's fine-tuned heads,
-        cold-start clients, --final-adapt), even off the --eval-every grid; any other round is
-        logged as an ordinary one. So when a resume moves the run's end:
-          * a finished run extended with more --rounds: its last round becomes an ordinary one
-            (its training metrics, kept in the checkpoint, with on the grid an ordinary
-            evaluation of the restored model);
-          * a finished run resumed as it is: its final record, as the checkpoint keeps it (an
-            extension that failed before its first round ended had replaced it);
-          * a run resumed with --rounds equal to its checkpoint's round: that round is now the
-            last, evaluated and logged as the run of that length logs it."""
-        saved = self._resumed
-        if saved is None or saved["round_metrics"] is None:
-            return None, None
-        if self.start_round < self.stop_round:
-            if not saved["final_logged"]:
-                return None, None
-            record = dict(saved["round_metrics"])
-            if self.start_round % self.cfg.eval_every == 0:
-                record.update(self.evaluate())
-            record.pop("stop", None)
-            return record, None
-        if saved["final_record"] is not None:
-            return dict(saved["final_record"]), dict(saved["final_record"])
-        if saved["final_logged"]:
-            return None, None  # an older checkpoint of a finished run: its record was not kept
-        record = dict(saved["round_metrics"])
-        self._evaluate_round(record, last=True)
-        record.pop("stop", None)
-        self._final_record = dict(record)
-        return record, dict(record)
 
     def _evaluate_round(self, metrics: Dict[str, float], last: bool) -> None:
         """Collective. Add the round's evaluation to ``metrics``; the run's last round gets the

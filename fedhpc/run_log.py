@@ -21,7 +21,7 @@ class RunLog:
     """Output methods of the engine (see the module docstring)."""
 
     def _open_outputs(self, redo_last: bool = False) -> None:
-        """``redo_last``: the checkpoint's round is logged again (see Engine._resume_records), so
+        """``redo_last``: the checkpoint's round is logged again (see fedhpc.resume.Resume._resume_records), so
         metrics.jsonl and TensorBoard keep only the rounds before it."""
         cfg = self.cfg
         keep_to = self.start_round - 1 if redo_last else self.start_round
