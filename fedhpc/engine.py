@@ -105,12 +105,9 @@ class Engine(Evaluation, RunLog, Resume):
                             cfg.model_options)
         self.model = model.to(world.device)
         refuse_cumulative_batchnorm(self.model)
-
-        def first_sample(cid: int) -> torch.Tensor:  # client cid's first training input, as training sees it
-            return self.data.transform(self.data.client(cid).x[:1], True, torch.Generator().manual_seed(0)
-                                       ).to(world.device)
-
-        check_model_takes_inputs(self.model, model_name, self.data, first_sample(self.training_clients[0]))
+        sample = self.data.model_input_sample(train=True)
+        if sample is not None:
+            check_model_takes_inputs(self.model, model_name, self.data, sample.to(world.device))
         check_evaluation_shape(self.model, model_name, self.data, world.device)
         self.flat = FlatModel(self.model)
         self.global_state = self.flat.flat.detach().clone()
@@ -125,7 +122,9 @@ class Engine(Evaluation, RunLog, Resume):
         self.algo.setup()
         check_single_sample_batches(
             self.model, model_name, [(c, int(self.sizes[c])) for c in self.training_clients], cfg.batch_size,
-            first_sample, self.algo.probe_forward)
+            lambda cid: self.data.transform(self.data.client(cid).x[:1], True,
+                                            torch.Generator().manual_seed(0)).to(world.device),
+            self.algo.probe_forward)
         if cfg.clients_at_once > 1:  # refuse what the batched path cannot train exactly, before any round
             from .batched import check_batchable
             check_batchable(self.algo, self.model, cfg)

@@ -158,12 +158,21 @@ class FederatedData(ABC):
         """
         cache = self.__dict__.setdefault("_model_input_shapes", {})
         if train not in cache:
-            x = self.test_slice(0, 1)[0] if self.num_test() > 0 else self.client(0).x[:1]
-            if x.shape[0] == 0:
+            x = self.model_input_sample(train)
+            if x is None:
                 return tuple(self.input_shape)
-            gen = torch.Generator().manual_seed(0) if train else None
-            cache[train] = tuple(int(s) for s in self.transform(x, train, gen).shape[1:])
+            cache[train] = tuple(int(s) for s in x.shape[1:])
         return cache[train]
+
+    def model_input_sample(self, train: bool = True) -> Optional[torch.Tensor]:
+        """One model input (a batch of 1) as training (``train``) or evaluation sees it: the first
+        global test sample, else client 0's first, through ``transform`` with a throwaway generator
+        (no stream the run draws from moves); None where the data holds no sample. One row is read,
+        not a client's whole share (an ImageNet-200 client's is gigabytes)."""
+        x = self.test_slice(0, 1)[0] if self.num_test() > 0 else self.client(0).x[:1]
+        if x.shape[0] == 0:
+            return None
+        return self.transform(x, train, torch.Generator().manual_seed(0) if train else None)
 
     @property
     def augments(self) -> bool:
