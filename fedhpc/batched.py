@@ -62,6 +62,7 @@ from torch import nn
 
 from .algorithms.base import ClientContext, RoundInfo, derive_seed, seed_torch
 from .errors import ConfigError
+from .models import model_option_params
 
 if TYPE_CHECKING:  # pragma: no cover
     from .algorithms.base import Algorithm
@@ -148,13 +149,21 @@ def check_batchable(algo: "Algorithm", model: nn.Module, cfg) -> None:
                               f"{opt_in.__name__}, which declared the batched path; {fix}")
     if cfg.optimizer != "sgd":
         raise ConfigError(f"--clients-at-once > 1 supports --optimizer sgd only, got {cfg.optimizer!r}; {fix}")
+    # the advice names the model option that removes the layer only where the run's model has it
+    options = model_option_params(algo.model_name)
+
+    def without(layer: str, option: str, value: str) -> str:
+        if option in options:
+            return f"use --model-opt {option}={value} (the model without {layer})"
+        return f"use a model without {layer} (the run's model {algo.model_named} always has it; e.g. --model cnn)"
+
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             raise ConfigError(f"--clients-at-once > 1 cannot reproduce per-client dropout masks (module "
-                              f"{name!r}); use a model without dropout (e.g. --model-opt dropout=0) or {fix}")
+                              f"{name!r}); {without('dropout', 'dropout', '0')} or {fix}")
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise ConfigError(f"--clients-at-once > 1 cannot keep per-client BatchNorm statistics (module "
-                              f"{name!r}); use a model without BatchNorm (e.g. --model-opt norm=none) or {fix}")
+                              f"{name!r}); {without('BatchNorm', 'norm', 'none')} or {fix}")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:
         raise ConfigError(f"--clients-at-once > 1 trains every parameter; {frozen[:3]} are frozen; {fix}")

@@ -313,6 +313,20 @@ def test_refused_with_a_config_error(kw, algo, match):
         check_batchable(eng.algo, eng.model, eng.cfg)
 
 
+def test_the_advice_names_a_model_option_only_where_the_model_has_it():
+    """norm=none removes BatchNorm from resnet_digits, but mobilenet has no such option: advising
+    it there would be refused next ('has no option norm'). Following the advice builds."""
+    eng = make_engine("fedavg", None, model="resnet_digits", model_options={"width": 4})
+    with pytest.raises(ConfigError, match=r"use --model-opt norm=none \(the model without BatchNorm\)"):
+        check_batchable(eng.algo, eng.model, eng.cfg)
+    eng = make_engine("fedavg", None, model="resnet_digits", model_options={"width": 4, "norm": "none"})
+    check_batchable(eng.algo, eng.model, eng.cfg)
+    eng = make_engine("fedavg", None, model="mobilenet", model_options={"width_multiplier": 0.25}, batch_size=18)
+    with pytest.raises(ConfigError, match=r"use a model without BatchNorm \(the run's model 'mobilenet' always has "
+                                          r"it; e.g. --model cnn\)"):
+        check_batchable(eng.algo, eng.model, eng.cfg)
+
+
 def test_next_character_prediction_is_refused():
     eng = make_engine()
     eng.algo.data.task = "next_char"  # per-position labels: what a text dataset declares
