@@ -302,6 +302,16 @@ def test_a_single_sample_batch_batchnorm_cannot_train_on_is_refused_before_any_r
     assert main(SINGLE + ["--model", "cnn", "--model-opt", "norm=batch", "--batch-size", "287"]) == 0
 
 
+def test_batch_size_one_whose_every_batch_batchnorm_cannot_train_on_is_refused(capsys, tmp_path):
+    """At --batch-size 1 every batch holds one sample, whatever a client's size (n % 1 is 0, which
+    the last-batch rule alone missed: the run stopped in round 1 with torch's ValueError)."""
+    err = refused(SINGLE + ["--model", "mobilenet", "--batch-size", "1"], capsys, tmp_path)
+    assert "client 0 has 288 training samples, so every batch of --batch-size 1 holds one sample" in err
+    assert "(4 client(s) have such a batch)" in err and "e.g. --batch-size 2" in err
+    # a model whose BatchNorm never sees a 1x1 map trains at batch size 1
+    assert main(SINGLE + ["--model", "cnn", "--model-opt", "norm=batch", "--batch-size", "1"]) == 0
+
+
 def test_an_empty_yaml_value_is_refused_not_read_as_the_text_none(tmp_path):
     """`out:` with nothing after it is YAML null; str(None) made a folder named 'None'."""
     path = tmp_path / "run.yaml"

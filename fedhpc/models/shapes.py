@@ -43,10 +43,10 @@ def has_batchnorm(model: nn.Module) -> bool:
 def check_single_sample_batches(model: nn.Module, model_name: str, sizes: Sequence[int], batch_size: int,
                                 first_sample: Callable[[int], torch.Tensor],
                                 forward: Callable[[nn.Module, torch.Tensor], object]) -> None:
-    """Refuse, before any round, a run in which a client's last batch holds one sample and the
-    model's BatchNorm then sees one value per channel (a 1x1 feature map: ResNet-18 on 32x32,
-    MobileNet on 8x8). torch raises for that in training mode, so the run would stop in the first
-    round that samples the client, after hours.
+    """Refuse, before any round, a run in which a client's last batch (every batch at --batch-size 1)
+    holds one sample and the model's BatchNorm then sees one value per channel (a 1x1 feature
+    map: ResNet-18 on 32x32, MobileNet on 8x8). torch raises for that in training mode, so the
+    run would stop in the first round that samples the client, after hours.
 
     ``sizes``: (client id, training samples) of the clients that train; ``first_sample(cid)``:
     that client's first input, as training sees it (batch of 1); ``forward(model, x)``: every
@@ -54,7 +54,8 @@ def check_single_sample_batches(model: nn.Module, model_name: str, sizes: Sequen
     """
     if not has_batchnorm(model):
         return
-    lone = [(cid, n) for cid, n in sizes if n % batch_size == 1]
+    # at --batch-size 1 every batch holds one sample (n % 1 is 0 for every n)
+    lone = [(cid, n) for cid, n in sizes if batch_size == 1 or n % batch_size == 1]
     if not lone:
         return
     cid, n = lone[0]
@@ -66,15 +67,15 @@ def check_single_sample_batches(model: nn.Module, model_name: str, sizes: Sequen
             if "Expected more than 1 value per channel" not in str(e):
                 raise
             counts = [c for _, c in sizes]
-            ok = next((b for b in range(batch_size + 1, 2 * batch_size + 1)
+            ok = next((b for b in range(batch_size + 1, max(2 * batch_size, 32) + 1)
                        if all(c % b != 1 for c in counts)), None)
             hint = f" (e.g. --batch-size {ok})" if ok else ""
             raise ConfigError(
-                f"client {cid} has {n} training samples, so its last batch of --batch-size {batch_size} holds one "
-                f"sample, and model {model_name!r} reaches a BatchNorm with a 1x1 feature map: one value per "
-                f"channel, which BatchNorm cannot train on ({len(lone)} client(s) have such a batch). Use a "
-                f"--batch-size that leaves no client a single-sample batch{hint}, a model made for inputs of "
-                f"this size, or one without BatchNorm") from None
+                f"client {cid} has {n} training samples, so {'every' if batch_size == 1 else 'its last'} batch of "
+                f"--batch-size {batch_size} holds one sample, and model {model_name!r} reaches a BatchNorm with a "
+                f"1x1 feature map: one value per channel, which BatchNorm cannot train on ({len(lone)} client(s) "
+                f"have such a batch). Use a --batch-size that leaves no client a single-sample batch{hint}, a model "
+                f"made for inputs of this size, or one without BatchNorm") from None
 
 
 def check_model_takes_inputs(model: nn.Module, model_name: str, data, sample: torch.Tensor) -> None:
