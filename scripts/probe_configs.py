@@ -1,0 +1,115 @@
+"""Random launcher configurations on the embedded digits: which ones end in a traceback?
+
+    .venv/bin/python scripts/probe_configs.py --seed 7 --count 250 [--out-dir /tmp/probe]
+
+Each configuration draws an algorithm, a model with options it takes, a partition, client counts,
+batch size, epochs, rounds and a handful of run features (channel, cold-start clients,
+--final-adapt, batched clients, adam or momentum, eval cadence, lr decay, --stop-epsilon,
+per-label accuracy, saved client models, checkpoints every round); a quarter run on 2 MPI ranks.
+Every run must end trained (exit 0), or stopped by one `error:` line: refused (exit 2) or
+diverged (exit 3, a NaN loss, which random learning settings can give). A traceback, another exit
+code (4: a rank died) or a 10-minute timeout is a finding, printed with its command line and the
+end of its stderr. Exits 1 when there is any finding. Not part of the suite (about 5 s per
+run on 2 cores): a probe for the bad-input rule, which found that --batch-size 1 escaped the
+BatchNorm single-sample check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from typing import List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+#: per model, option sets it accepts (one is drawn; [] = its defaults)
+MODEL_OPTIONS = {
+    "auto": [[]], "mlp": [["hidden=16"], ["depth=3"]], "cnn": [["norm=batch"], ["dropout=0.3"], ["width=4"]],
+    "resnet_digits": [["width=4"], ["width=4", "projection_dim=8"], ["width=4", "norm=none"]],
+    "pmixfed_cnn_digits": [["norm=none"], ["dropout=0.2"], []], "mobilenet": [["width_multiplier=0.25"]],
+    "lenet5": [[]],
+}
+PARTITIONS = ["iid", "dirichlet:0.3", "dirichlet:1.0", "classes:2", "classes_cyclic:3", "skewed:2:1:13",
+              "deficient:0,2:1:10"]
+#: methods that need a residual model (refused with another one: drawn mostly with one)
+RESIDUAL = ("fedalign", "gradaug", "stochdepth", "moon")
+SERVER_SET = ["--data-opt", "server_per_label=20", "--data-opt", "server_deficient=0,2",
+              "--data-opt", "server_deficient_count=3"]
+
+
+def draw(rng: random.Random, algos: List[str]) -> List[str]:
+    """One configuration's launcher flags (without --out)."""
+    algo = rng.choice(algos)
+    clients = rng.randint(3, 12)
+    model = "resnet_digits" if algo in RESIDUAL and rng.random() < 0.8 else rng.choice(sorted(MODEL_OPTIONS))
+    argv = ["--algo", algo, "--model", model, "--partition", rng.choice(PARTITIONS), "--num-clients", str(clients),
+            "--clients-per-round", str(rng.randint(1, clients)), "--batch-size", str(rng.choice([1, 2, 3, 10, 64])),
+            "--local-epochs", str(rng.randint(1, 2)), "--rounds", str(rng.randint(1, 3)), "--seed", str(rng.randint(0, 5)),
+            "--threads", "1", "--no-tensorboard", "--quiet"]
+    for option in rng.choice(MODEL_OPTIONS[model]):
+        argv += ["--model-opt", option]
+    if algo == "moon" and model == "resnet_digits" and "projection_dim=8" not in argv:
+        argv += ["--model-opt", "projection_dim=8"]
+    features = [
+        (0.3, ["--channel", rng.choice(["symmetric", "asymmetric"])]), (0.2, ["--cold-start-fraction", "0.3"]),
+        (0.2, ["--final-adapt"]), (0.15, ["--clients-at-once", "3"]), (0.15, ["--client-test-fraction", "0"]),
+        (0.2, ["--eval-every", "2"]), (0.15, ["--lr-decay", "0.9"]), (0.15, ["--stop-epsilon", "0.5"]),
+        (0.15, ["--per-label-accuracy"]), (0.1, ["--save-client-models", "1"]), (0.2, ["--checkpoint-every", "1"]),
+        (0.3, rng.choice([["--optimizer", "adam"], ["--momentum", "0.9", "--weight-decay", "1e-4", "--grad-clip", "1"]])),
+    ]
+    for chance, flags in features:
+        if rng.random() < chance:
+            argv += flags
+    if algo in ("mixfl", "xormixfl", "standalone") or rng.random() < 0.1:
+        argv += SERVER_SET
+    if algo in ("fld", "mixfld", "mix2fld"):
+        argv += ["--server-steps", "20"]  # the paper's 3,200 make a probe run minutes long
+    return argv
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("--two-ranks", type=float, default=0.25, help="share of runs on 2 MPI ranks")
+    parser.add_argument("--out-dir", default=os.path.join("/tmp", "fedhpc-probe-configs"))
+    args = parser.parse_args(argv)
+
+    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+
+    load_algorithm_modules()
+    algos = ALGORITHMS.names()
+    rng = random.Random(args.seed)
+    bindir = os.path.dirname(sys.executable)
+    mpiexec = shutil.which("mpiexec", path=bindir) or shutil.which("mpiexec")
+    findings, trained = 0, 0
+    for i in range(args.count):
+        flags = draw(rng, algos)
+        out = os.path.join(args.out_dir, f"run{args.seed}_{i}")
+        two = rng.random() < args.two_ranks and mpiexec is not None  # drawn alike with or without MPI
+        cmd = ([mpiexec, "-n", "2"] if two else []) + [sys.executable, "-m", "fedhpc.launch", *flags, "--out", out]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+            err, code = proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired:
+            err, code = "timed out after 600 s", None
+        shutil.rmtree(out, ignore_errors=True)
+        trained += code == 0
+        stopped_cleanly = code in (2, 3) and (err.strip().splitlines() or [""])[-1].startswith("error: ")
+        if "Traceback" in err or not (code == 0 or stopped_cleanly):
+            findings += 1
+            print(json.dumps({"run": i, "ranks": 2 if two else 1, "exit": code, "flags": " ".join(flags),
+                              "stderr_tail": err[-1500:]}), flush=True)
+    print(f"{args.count} configurations (seed {args.seed}): {trained} trained, "
+          f"{args.count - trained - findings} stopped by an error line, {findings} finding(s)")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
