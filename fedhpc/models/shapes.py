@@ -13,10 +13,12 @@ from ..errors import ConfigError
 
 def image_shape(input_shape) -> Tuple[int, int, int]:
     shape = tuple(int(s) for s in input_shape)
-    if len(shape) != 3 or min(shape) < 1:
+    if len(shape) != 3:
         raise ConfigError(f"image models need input_shape (C, H, W); got {tuple(input_shape)}, which is no image "
                           f"(e.g. a sequence of character ids): use a model made for this data (--model auto "
                           f"takes the dataset's default)")
+    if min(shape) < 1:
+        raise ConfigError(f"image models need input_shape (C, H, W) with positive sizes; got {tuple(input_shape)}")
     return shape  # type: ignore[return-value]
 
 
