@@ -12,6 +12,12 @@ code (4: a rank died) or a 10-minute timeout is a finding, printed with its comm
 end of its stderr. Exits 1 when there is any finding. Not part of the suite (about 5 s per
 run on 2 cores): a probe for the bad-input rule, which found that --batch-size 1 escaped the
 BatchNorm single-sample check.
+
+``--resume-check``: each configuration that trains runs 4 rounds with a checkpoint every round,
+and again as K rounds (K drawn in 1..3) extended to 4 with --resume, on the same number of ranks;
+a final model that differs in any bit, or metrics rows whose accuracies and losses differ, is a
+finding (the standard set's resume test, over combinations of run features it does not draw).
+Methods whose updates read --rounds (identity_settings) cannot be extended and are skipped.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import random
 import shutil
 import subprocess
 import sys
-from typing import List
+from typing import List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -73,12 +79,55 @@ def draw(rng: random.Random, algos: List[str]) -> List[str]:
     return argv
 
 
+def _without(flags: List[str], name: str) -> List[str]:
+    """``flags`` without ``name`` and its value."""
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] == name:
+            i += 2
+            continue
+        out.append(flags[i])
+        i += 1
+    return out
+
+
+def _records(out: str) -> List[dict]:
+    """metrics.jsonl's rounds with their accuracies and losses (timings differ run to run)."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k == "round" or "accuracy" in k or "loss" in k}
+                for line in f]
+
+
+def resume_difference(launch, flags: List[str], k: int, out: str) -> Optional[str]:
+    """None when K rounds extended to 4 with --resume end as 4 uninterrupted rounds do; else what
+    differs. ``launch(flags) -> (exit code, stderr)``; the uninterrupted run must have trained."""
+    import torch
+
+    flags = _without(_without(_without(flags, "--rounds"), "--checkpoint-every"), "--save-client-models")
+    whole, parts = os.path.join(out, "whole"), os.path.join(out, "parts")
+    steps = [(whole, ["--rounds", "4"]), (parts, ["--rounds", str(k)]), (parts, ["--rounds", "4", "--resume"])]
+    for folder, extra in steps:
+        code, err = launch([*flags, "--checkpoint-every", "1", *extra, "--out", folder])
+        if code != 0:
+            return None if folder == whole else f"the run to {extra[1]} rounds{' (--resume)' * ('--resume' in extra)} " \
+                                                 f"exited {code}: {err[-600:]}"
+    a, b = (torch.load(os.path.join(d, "final_model.pt"), weights_only=True) for d in (whole, parts))
+    differ = [n for n in a if not torch.equal(a[n], b[n])]
+    if differ:
+        return f"final models differ in {differ[:3]}"
+    if _records(whole) != _records(parts):
+        return "metrics.jsonl's accuracies or losses differ"
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--two-ranks", type=float, default=0.25, help="share of runs on 2 MPI ranks")
     parser.add_argument("--out-dir", default=os.path.join("/tmp", "fedhpc-probe-configs"))
+    parser.add_argument("--resume-check", action="store_true",
+                        help="compare K rounds resumed to 4 with 4 uninterrupted rounds (see the module docstring)")
     args = parser.parse_args(argv)
 
     from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
@@ -88,17 +137,33 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     bindir = os.path.dirname(sys.executable)
     mpiexec = shutil.which("mpiexec", path=bindir) or shutil.which("mpiexec")
-    findings, trained = 0, 0
+    findings, trained, compared = 0, 0, 0
     for i in range(args.count):
         flags = draw(rng, algos)
         out = os.path.join(args.out_dir, f"run{args.seed}_{i}")
         two = rng.random() < args.two_ranks and mpiexec is not None  # drawn alike with or without MPI
-        cmd = ([mpiexec, "-n", "2"] if two else []) + [sys.executable, "-m", "fedhpc.launch", *flags, "--out", out]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-            err, code = proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired:
-            err, code = "timed out after 600 s", None
+        k = rng.randint(1, 3)
+
+        def launch(launcher_flags: List[str]):
+            cmd = ([mpiexec, "-n", "2"] if two else []) + [sys.executable, "-m", "fedhpc.launch", *launcher_flags]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+                return proc.returncode, proc.stderr
+            except subprocess.TimeoutExpired:
+                return None, "timed out after 600 s"
+
+        if args.resume_check:
+            if "rounds" in ALGORITHMS.get(flags[1]).identity_settings:
+                continue
+            difference = resume_difference(launch, flags, k, out)
+            compared += os.path.exists(os.path.join(out, "parts"))
+            shutil.rmtree(out, ignore_errors=True)
+            if difference:
+                findings += 1
+                print(json.dumps({"run": i, "ranks": 2 if two else 1, "k": k, "flags": " ".join(flags),
+                                  "difference": difference}), flush=True)
+            continue
+        code, err = launch([*flags, "--out", out])
         shutil.rmtree(out, ignore_errors=True)
         trained += code == 0
         stopped_cleanly = code in (2, 3) and (err.strip().splitlines() or [""])[-1].startswith("error: ")
@@ -106,8 +171,12 @@ def main(argv=None) -> int:
             findings += 1
             print(json.dumps({"run": i, "ranks": 2 if two else 1, "exit": code, "flags": " ".join(flags),
                               "stderr_tail": err[-1500:]}), flush=True)
-    print(f"{args.count} configurations (seed {args.seed}): {trained} trained, "
-          f"{args.count - trained - findings} stopped by an error line, {findings} finding(s)")
+    if args.resume_check:
+        print(f"{args.count} configurations (seed {args.seed}): {compared} resumed and compared, "
+              f"{findings} finding(s)")
+    else:
+        print(f"{args.count} configurations (seed {args.seed}): {trained} trained, "
+              f"{args.count - trained - findings} stopped by an error line, {findings} finding(s)")
     return 1 if findings else 0
 
 
