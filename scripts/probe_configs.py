@@ -109,8 +109,10 @@ def resume_difference(launch, flags: List[str], k: int, out: str) -> Optional[st
     for folder, extra in steps:
         code, err = launch([*flags, "--checkpoint-every", "1", *extra, "--out", folder])
         if code != 0:
-            return None if folder == whole else f"the run to {extra[1]} rounds{' (--resume)' * ('--resume' in extra)} " \
-                                                 f"exited {code}: {err[-600:]}"
+            if folder == whole:
+                return None  # refused or diverged: nothing to compare (the plain probe judges those)
+            what = f"the run to {extra[1]} rounds" + (" (--resume)" if "--resume" in extra else "")
+            return f"{what} exited {code}: {err[-600:]}"
     a, b = (torch.load(os.path.join(d, "final_model.pt"), weights_only=True) for d in (whole, parts))
     differ = [n for n in a if not torch.equal(a[n], b[n])]
     if differ:
