@@ -27,7 +27,7 @@ from .evaluation import Evaluation
 from .flat import FlatModel, refuse_cumulative_batchnorm
 from .io import atomic_torch_save
 from .models import build_model
-from .models.shapes import check_evaluation_shape, check_model_takes_inputs, check_single_sample_batches
+from .models.shapes import check_model_takes_inputs, check_single_sample_batches
 from .run_log import RunLog
 from .reproducible_sum import MAX_TERMS, ReproducibleSum, storage_numel
 from .resume import Resume
@@ -105,10 +105,7 @@ class Engine(Evaluation, RunLog, Resume):
                             cfg.model_options)
         self.model = model.to(world.device)
         refuse_cumulative_batchnorm(self.model)
-        sample = self.data.model_input_sample(train=True)
-        if sample is not None:
-            check_model_takes_inputs(self.model, model_name, self.data, sample.to(world.device))
-        check_evaluation_shape(self.model, model_name, self.data, world.device)
+        check_model_takes_inputs(self.model, model_name, self.data, world.device)
         self.flat = FlatModel(self.model)
         self.global_state = self.flat.flat.detach().clone()
 

@@ -80,46 +80,49 @@ def check_single_sample_batches(model: nn.Module, model_name: str, sizes: Sequen
                 f"made for inputs of this size, or one without BatchNorm") from None
 
 
-def check_model_takes_inputs(model: nn.Module, model_name: str, data, sample: torch.Tensor) -> None:
-    """Refuse, before any round, a model that cannot take the data's inputs at all: a text model
-    (ids into an embedding) given images, an image model given character ids, ids beyond a
-    model's vocabulary. torch would raise in the first round's first batch with an error about
-    tensors that names neither the model nor the dataset. ``sample``: one training input, as
-    training sees it (batch of 1); one forward in evaluation mode on a copy of the model."""
-    probe = copy.deepcopy(model).eval()
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        try:
-            probe(sample)
-        except (RuntimeError, ValueError, IndexError, TypeError) as e:
-            kind = "integer ids" if not sample.is_floating_point() else f"{str(sample.dtype).replace('torch.', '')} values"
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise ConfigError(
-                f"model {model_name!r} cannot take the {data.name} inputs ({kind} of shape "
-                f"{'x'.join(map(str, sample.shape[1:]))}): {type(e).__name__}: {first}. Use a model made for "
-                f"them: the {data.name} default is {data.default_model()!r} (--model auto)") from None
+def check_model_takes_inputs(model: nn.Module, model_name: str, data, device) -> None:
+    """Refuse, before any round, inputs the model cannot take, with one forward each (evaluation
+    mode, on one copy of the model, the RNG untouched):
 
-
-def check_evaluation_shape(model: nn.Module, model_name: str, data, device) -> None:
-    """Refuse, before any round, evaluation inputs the model (built for the training shape) cannot take.
-
-    Training and evaluation batches differ in shape when the data options crop them differently
-    (``resized_crop=224`` with ``center_crop=0`` on 256-px images: 224-px training crops, whole
-    256-px test images). A model that pools adaptively takes both (FixRes-style testing at a
-    larger size is deliberate); one that flattens a fixed size would fail at the first
-    evaluation, after a round of training: find out now with one forward on a zero input.
+    * one training input (``data.model_input_sample``): a text model (ids into an embedding)
+      given images, an image model given character ids, ids beyond a model's vocabulary. torch
+      would raise in the first round's first batch with an error about tensors that names
+      neither the model nor the dataset;
+    * where the data options crop training and evaluation batches differently (``resized_crop=224``
+      with ``center_crop=0`` on 256-px images: 224-px training crops, whole 256-px test images),
+      a zero input of the evaluation shape. A model that pools adaptively takes both (FixRes-style
+      testing at a larger size is deliberate); one that flattens a fixed size would fail at the
+      first evaluation, after a round of training.
     """
+    sample = data.model_input_sample(train=True)
     train_shape, eval_shape = data.model_input_shape(train=True), data.model_input_shape(train=False)
-    if train_shape == eval_shape:
+    if sample is None and train_shape == eval_shape:
         return
     probe = copy.deepcopy(model).eval()
-    dtype = next((p.dtype for p in probe.parameters() if p.is_floating_point()), torch.float32)
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        if sample is not None:
+            try:
+                probe(sample.to(device))
+            except (RuntimeError, ValueError, IndexError, TypeError) as e:
+                kind = ("integer ids" if not sample.is_floating_point()
+                        else f"{str(sample.dtype).replace('torch.', '')} values")
+                raise ConfigError(
+                    f"model {model_name!r} cannot take the {data.name} inputs ({kind} of shape "
+                    f"{'x'.join(map(str, sample.shape[1:]))}): {type(e).__name__}: {_first_line(e)}. Use a model "
+                    f"made for them: the {data.name} default is {data.default_model()!r} (--model auto)") from None
+        if train_shape == eval_shape:
+            return
+        dtype = next((p.dtype for p in probe.parameters() if p.is_floating_point()), torch.float32)
         try:
             probe(torch.zeros((1,) + tuple(eval_shape), dtype=dtype, device=device))
         except (RuntimeError, ValueError) as e:
             raise ConfigError(
                 f"model {model_name!r} is built for the training inputs, {'x'.join(map(str, train_shape))}, and "
                 f"cannot take the evaluation inputs, {'x'.join(map(str, eval_shape))} ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}): the data options crop training and evaluation "
+                f"{_first_line(e)}): the data options crop training and evaluation "
                 f"batches to different sizes. Make them agree (e.g. --data-opt center_crop={train_shape[-1]} "
                 f"with resized_crop={train_shape[-1]}) or use a model that pools adaptively") from None
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else ""
