@@ -97,7 +97,7 @@ class Engine(Evaluation, RunLog, Resume):
             raise ConfigError(f"--clients-per-round {cfg.clients_per_round} exceeds the {len(self.training_clients)} "
                               f"clients left for training after --cold-start-fraction {cfg.cold_start_fraction:g} "
                               f"holds out {n_cold}; lower one of them")
-        model_name = cfg.model if cfg.model != "auto" else self.data.default_model()
+        model_name = self.data.model_for(cfg.model)
         self.model_name = model_name
         torch.manual_seed(derive_seed(cfg.seed, "init"))  # same initial model on every rank
         # Built for what training feeds it (a 224-px crop of 256-px stored images, say).

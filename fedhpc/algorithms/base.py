@@ -225,7 +225,7 @@ class Algorithm:
     @property
     def model_name(self) -> str:
         """The registry name of the run's model (--model, or the dataset's default under auto)."""
-        return self.data.default_model() if self.cfg.model == "auto" else self.cfg.model
+        return self.data.model_for(self.cfg.model)
 
     @property
     def model_named(self) -> str:

@@ -273,7 +273,7 @@ class RunAnalysis:
         self.cfg, algo_options, data_options = parse_args(argv)
         self.run_dir, self.world, self.dtype = run_dir, world, dtype
         self.data = build_dataset(self.cfg, data_options)
-        name = self.cfg.model if self.cfg.model != "auto" else self.data.default_model()
+        name = self.data.model_for(self.cfg.model)
 
         def make():
             m = build_model(name, self.data.model_input_shape(train=True), self.data.num_classes,

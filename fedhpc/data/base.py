@@ -147,6 +147,10 @@ class FederatedData(ABC):
     def default_model(self) -> str:
         return "mlp"
 
+    def model_for(self, model: str) -> str:
+        """The registry name ``--model MODEL`` means for this data: ``auto`` is :meth:`default_model`."""
+        return self.default_model() if model == "auto" else model
+
     def model_input_shape(self, train: bool = True) -> Tuple[int, ...]:
         """Shape of one model input: a stored sample after ``transform`` (without the batch dimension).
 
