@@ -79,11 +79,11 @@ def draw(rng: random.Random, algos: List[str]) -> List[str]:
     return argv
 
 
-def _without(flags: List[str], name: str) -> List[str]:
-    """``flags`` without ``name`` and its value."""
+def _without(flags: List[str], *names: str) -> List[str]:
+    """``flags`` without the flags ``names`` and their values."""
     out, i = [], 0
     while i < len(flags):
-        if flags[i] == name:
+        if flags[i] in names:
             i += 2
             continue
         out.append(flags[i])
@@ -103,7 +103,7 @@ def resume_difference(launch, flags: List[str], k: int, out: str) -> Optional[st
     differs. ``launch(flags) -> (exit code, stderr)``; the uninterrupted run must have trained."""
     import torch
 
-    flags = _without(_without(_without(flags, "--rounds"), "--checkpoint-every"), "--save-client-models")
+    flags = _without(flags, "--rounds", "--checkpoint-every", "--save-client-models")
     whole, parts = os.path.join(out, "whole"), os.path.join(out, "parts")
     steps = [(whole, ["--rounds", "4"]), (parts, ["--rounds", str(k)]), (parts, ["--rounds", "4", "--resume"])]
     for folder, extra in steps:
