@@ -69,11 +69,16 @@ def _dirichlet_capped_args(arg: str) -> Tuple[float, int]:
 
 
 def _capped_draw(members: List[np.ndarray], n: int, total: int, alpha: float,
-                 rng: np.random.Generator) -> Optional[List[np.ndarray]]:
-    """One draw of ``dirichlet_capped`` over the classes' index arrays ``members``; None where
-    a class found no client to take it (all proportions left by the cap are exactly 0)."""
-    parts: List[List[np.ndarray]] = [[] for _ in range(n)]
+                 rng: np.random.Generator) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """One draw of ``dirichlet_capped`` over the classes' index arrays ``members``: (the indices
+    in drawn order, class after class, and the client each goes to), or None where a class found
+    no client to take it (all proportions left by the cap are exactly 0).
+
+    Only client sizes are kept while drawing; nothing is split into per-client arrays, since most
+    draws are thrown away when the minimum is hard to meet (20,000 clients: 0.3 s a draw with
+    the split, a few ms without)."""
     sizes = np.zeros(n, dtype=np.int64)
+    order, owner = [], []
     for idx in members:
         idx = rng.permutation(idx)
         props = rng.dirichlet(np.full(n, alpha))
@@ -83,10 +88,17 @@ def _capped_draw(members: List[np.ndarray], n: int, total: int, alpha: float,
             return None
         # A zeroed p_j repeats the cumulative sum exactly, so the capped client's chunk is empty.
         cuts = np.rint(np.cumsum(props / mass)[:-1] * len(idx)).astype(np.int64)
-        for k, chunk in enumerate(np.split(idx, cuts)):
-            parts[k].append(chunk)
-            sizes[k] += len(chunk)
-    return [np.concatenate(p) for p in parts]
+        chunk = np.diff(cuts, prepend=0, append=len(idx))
+        sizes += chunk
+        order.append(idx)
+        owner.append(np.repeat(np.arange(n), chunk))
+    return np.concatenate(order), np.concatenate(owner)
+
+
+def _split_by_owner(order: np.ndarray, owner: np.ndarray, n: int) -> List[np.ndarray]:
+    """Client k's indices: those of ``order`` whose ``owner`` is k (make_partition sorts them)."""
+    by_client = np.argsort(owner, kind="stable")
+    return np.split(order[by_client], np.cumsum(np.bincount(owner, minlength=n))[:-1])
 
 
 @register_partition("dirichlet_capped", f":ALPHA[:MIN] (Dir(ALPHA) with the FedML/MOON/FedAlign code's size cap, "
@@ -126,9 +138,9 @@ def _dirichlet_capped(labels, n, rng, arg, min_samples=1):
                           f"each out of {total}; lower MIN (dirichlet_capped:{alpha:g}:MIN) or use fewer clients")
     members = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     for _ in range(CAPPED_ATTEMPTS):
-        parts = _capped_draw(members, n, total, alpha, rng)
-        if parts is not None and min(len(p) for p in parts) >= minimum:
-            return parts
+        drawn = _capped_draw(members, n, total, alpha, rng)
+        if drawn is not None and np.bincount(drawn[1], minlength=n).min() >= minimum:
+            return _split_by_owner(*drawn, n)
     raise ConfigError(
         f"partition 'dirichlet_capped:{arg}': {CAPPED_ATTEMPTS} draws all left some of the {n} clients with fewer "
         f"than {minimum} samples (pool of {total}); lower MIN (dirichlet_capped:{alpha:g}:MIN), use fewer "
