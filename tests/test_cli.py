@@ -72,6 +72,11 @@ def test_algorithm_options_appear_once_algo_is_given(capsys):
     (["--algo", "fedprox", "--mu", "-1"], "--mu must be non-negative", "-1"),
     (["--resume"], "--resume needs --out", "--out"),
     (["--model-opt", "depthh=3"], "has no option(s) ['depthh']", "hidden"),
+    # argparse knows only the chosen algorithm's options: another one's is named with its methods
+    (["--algo", "fedmix", "--server-steps", "20"], "--server-steps is an option of algorithm(s) fld, mix2fld",
+     "choose one of them with --algo, or drop --server-steps"),
+    (["--mu=0.1"], "--mu is an option of algorithm(s) fedalign, fedprox", "not of fedavg"),
+    (["--lcoal-epochs", "3"], "--lcoal-epochs is no flag", "did you mean --local-epochs?"),
 ])
 def test_bad_input_names_problem_and_fix_and_writes_nothing(tmp_path, capsys, argv, needle, fix):
     out = tmp_path / "out"

@@ -11,7 +11,7 @@ from typing import List, Optional, Type, get_type_hints
 
 from ..errors import ConfigError
 from .layers import (algorithm_of_file, channel_options_for_no_channel, options_for_replaced_algorithm,
-                     reference_for_flags, unknown_settings_message)
+                     reference_for_flags, unknown_flags_message, unknown_settings_message)
 from .run import RunConfig
 from .values import build_options, coerce_value, flag_for, load_yaml, parse_key_values
 
@@ -123,7 +123,10 @@ def parse_args(argv: Optional[List[str]] = None):
     algo_flags = []
     if algo_cls.Options is not None:
         algo_flags = _add_dataclass_flags(parser.add_argument_group(f"{algo_name} options"), algo_cls.Options)
-    args = vars(parser.parse_args(argv))
+    parsed, extra = parser.parse_known_args(argv)
+    if extra:
+        raise ConfigError(unknown_flags_message(extra, algo_name, list(parser._option_string_actions)))
+    args = vars(parsed)
 
     values = dict(file_values)
     for k in valid_keys:

@@ -67,6 +67,30 @@ def unknown_settings_message(path: str, unknown: List[Any], file_values: Dict[st
     return f"config file {path!r} has unknown setting(s) {unknown}: " + "; ".join(notes) + tail
 
 
+def unknown_flags_message(extra: List[str], algo_name: str, flags: List[str]) -> str:
+    """The message for command-line words the launcher does not take (``extra``, as argparse left
+    them) when ``algo_name`` runs and ``flags`` are the flags it has: an option of other algorithms
+    is named with them (argparse only knows the chosen algorithm's), another flag with its near
+    flag."""
+    from ..algorithms import ALGORITHMS
+
+    notes = []
+    for word in extra:
+        if not word.startswith("--"):
+            continue  # a value of the flag before it, or a stray word: shown in the list of all of them
+        flag = word.split("=", 1)[0]
+        name = flag[2:].replace("-", "_")
+        others = [n for n in ALGORITHMS.names() if name in option_names(ALGORITHMS.get(n).Options)]
+        if others:
+            notes.append(f"{flag} is an option of algorithm(s) {', '.join(others)}, not of {algo_name}: choose one "
+                         f"of them with --algo, or drop {flag}")
+            continue
+        near = difflib.get_close_matches(flag, flags, n=1)
+        notes.append(f"{flag} is no flag" + (f" (did you mean {near[0]}?)" if near else ""))
+    return (f"unrecognized argument(s) {' '.join(extra)}" + (": " + "; ".join(notes) if notes else "")
+            + f"; python -m fedhpc.launch --algo {algo_name} --help lists the flags")
+
+
 #: Field metadata key of an algorithm option whose meaning is its method's own while other methods
 #: have an option of the same name (FedAvg's server_lr steps the averaged update; FLD's and the
 #: server trainers' is a learning rate): such an option is not carried over to or from another
