@@ -18,6 +18,11 @@ and again as K rounds (K drawn in 1..3) extended to 4 with --resume, on the same
 a final model that differs in any bit, or metrics rows whose accuracies and losses differ, is a
 finding (the standard set's resume test, over combinations of run features it does not draw).
 Methods whose updates read --rounds (identity_settings) cannot be extended and are skipped.
+
+``--ranks-check``: each configuration runs on 1 rank and on 2 MPI ranks; the final models must be
+equal bit for bit and the metrics rows' accuracies and losses equal (the standard set's 1-vs-2-ranks
+test, over the same combinations). Configurations with fewer clients per round than 2 still run:
+a rank with no client that round must not change the result.
 """
 
 from __future__ import annotations
@@ -113,13 +118,34 @@ def resume_difference(launch, flags: List[str], k: int, out: str) -> Optional[st
                 return None  # refused or diverged: nothing to compare (the plain probe judges those)
             what = f"the run to {extra[1]} rounds" + (" (--resume)" if "--resume" in extra else "")
             return f"{what} exited {code}: {err[-600:]}"
-    a, b = (torch.load(os.path.join(d, "final_model.pt"), weights_only=True) for d in (whole, parts))
+    return outputs_difference(whole, parts)
+
+
+def outputs_difference(one: str, other: str) -> Optional[str]:
+    """None when two runs' final models are equal bit for bit and their metrics rows' accuracies
+    and losses equal; else what differs."""
+    import torch
+
+    a, b = (torch.load(os.path.join(d, "final_model.pt"), weights_only=True) for d in (one, other))
     differ = [n for n in a if not torch.equal(a[n], b[n])]
     if differ:
         return f"final models differ in {differ[:3]}"
-    if _records(whole) != _records(parts):
+    if _records(one) != _records(other):
         return "metrics.jsonl's accuracies or losses differ"
     return None
+
+
+def ranks_difference(launch, flags: List[str], out: str) -> Optional[str]:
+    """None when the configuration ends alike on 1 and 2 ranks; else what differs.
+    ``launch(flags, ranks) -> (exit code, stderr)``."""
+    one, two = os.path.join(out, "one"), os.path.join(out, "two")
+    code, err = launch([*flags, "--out", one], 1)
+    if code != 0:
+        return None  # refused or diverged: the plain probe judges those
+    code, err = launch([*flags, "--out", two], 2)
+    if code != 0:
+        return f"the 2-rank run exited {code} where 1 rank trained: {err[-600:]}"
+    return outputs_difference(one, two)
 
 
 def main(argv=None) -> int:
@@ -130,6 +156,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=os.path.join("/tmp", "fedhpc-probe-configs"))
     parser.add_argument("--resume-check", action="store_true",
                         help="compare K rounds resumed to 4 with 4 uninterrupted rounds (see the module docstring)")
+    parser.add_argument("--ranks-check", action="store_true",
+                        help="compare each configuration on 1 and on 2 MPI ranks (see the module docstring)")
     args = parser.parse_args(argv)
 
     from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
@@ -139,6 +167,8 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     bindir = os.path.dirname(sys.executable)
     mpiexec = shutil.which("mpiexec", path=bindir) or shutil.which("mpiexec")
+    if args.ranks_check and mpiexec is None:
+        parser.error("--ranks-check needs mpiexec: run scripts/setup_env.sh, which installs mpich into .venv")
     findings, trained, compared = 0, 0, 0
     for i in range(args.count):
         flags = draw(rng, algos)
@@ -146,14 +176,24 @@ def main(argv=None) -> int:
         two = rng.random() < args.two_ranks and mpiexec is not None  # drawn alike with or without MPI
         k = rng.randint(1, 3)
 
-        def launch(launcher_flags: List[str]):
-            cmd = ([mpiexec, "-n", "2"] if two else []) + [sys.executable, "-m", "fedhpc.launch", *launcher_flags]
+        def launch(launcher_flags: List[str], ranks: Optional[int] = None):
+            ranks = ranks or (2 if two else 1)
+            cmd = ([mpiexec, "-n", str(ranks)] if ranks > 1 else []) + [sys.executable, "-m", "fedhpc.launch",
+                                                                        *launcher_flags]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
                 return proc.returncode, proc.stderr
             except subprocess.TimeoutExpired:
                 return None, "timed out after 600 s"
 
+        if args.ranks_check:
+            difference = ranks_difference(launch, flags, out)
+            compared += os.path.exists(os.path.join(out, "two"))
+            shutil.rmtree(out, ignore_errors=True)
+            if difference:
+                findings += 1
+                print(json.dumps({"run": i, "flags": " ".join(flags), "difference": difference}), flush=True)
+            continue
         if args.resume_check:
             if "rounds" in ALGORITHMS.get(flags[1]).identity_settings:
                 continue
@@ -173,8 +213,9 @@ def main(argv=None) -> int:
             findings += 1
             print(json.dumps({"run": i, "ranks": 2 if two else 1, "exit": code, "flags": " ".join(flags),
                               "stderr_tail": err[-1500:]}), flush=True)
-    if args.resume_check:
-        print(f"{args.count} configurations (seed {args.seed}): {compared} resumed and compared, "
+    if args.ranks_check or args.resume_check:
+        what = "run on 1 and 2 ranks" if args.ranks_check else "resumed"
+        print(f"{args.count} configurations (seed {args.seed}): {compared} {what} and compared, "
               f"{findings} finding(s)")
     else:
         print(f"{args.count} configurations (seed {args.seed}): {trained} trained, "
