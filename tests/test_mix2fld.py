@@ -38,6 +38,19 @@ def test_ledger_books_outputs_seeds_and_parameters_by_kind(algo):
     assert r1["bytes_down_parameters"] == devices * eng.flat.numel * 4                 # weights down
 
 
+@pytest.mark.parametrize("algo", ["fld", "mix2fld"])
+def test_each_device_books_its_own_seeds_and_a_held_out_device_none(algo):
+    """seed_bytes against a brute-force selection of each device's rows of the collected set;
+    cold-start devices upload no seeds, so the counts differ between devices."""
+    cfg, ao, do = parse_args(["--algo", algo, *ARGS, "--cold-start-fraction", "0.4"])
+    eng = Engine(cfg, ao, do, World(threads=1))
+    eng.run_round(0)
+    c = eng.algo.collected
+    by_hand = {cid: c.select((c.owner == cid).nonzero().flatten()).wire_bytes() for cid in range(5)}
+    assert eng.algo.seed_bytes == by_hand
+    assert sorted(by_hand.values())[:2] == [0, 0] and min(v for v in by_hand.values() if v) > 0
+
+
 def test_privacy_audit_flags_raw_seeds_and_passes_mixtures():
     for algo, leaks in (("fld", True), ("mixfld", False), ("mix2fld", False)):
         _, (r1, _) = run_two_rounds(algo)

@@ -189,6 +189,12 @@ def test_one_shot_run_balances_the_server_and_audits_the_uploads(algo, tmp_path)
     assert m["decoded_added"] == 52 and m["encoded_uploaded"] == 52 and m["server_balanced"] == 1
     assert m["uploads_equal_raw"] == 0 and m["upload_linear_mix"] == (1.0 if algo == "mixfl" else 0.0)
     assert m["privacy_mds_mean"] > 0 and m["privacy_pixel_mean"] > 0
+    # each device's upload is booked at its own encoded samples' bytes (a brute-force selection
+    # of the collected set; devices are asked for different counts here)
+    booked = dict(eng.algo.upload_bytes)
+    enc, _ = eng.algo.collect(type("R", (), {"index": 0, "sampled": list(range(6))})())
+    by_hand = {cid: enc.select((enc.owner == cid).nonzero().flatten()).wire_bytes() for cid in range(6)}
+    assert booked == {cid: b for cid, b in by_hand.items() if b} and len(set(booked.values())) > 1
 
 
 def test_the_audit_flags_an_upload_that_is_a_raw_sample(tmp_path):

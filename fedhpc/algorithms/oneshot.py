@@ -522,8 +522,9 @@ class EncodedUploads(OneShotServer):
         enc = EncodedSet.cat(sorted([e for e, _ in gathered], key=lambda s: int(s.owner[0])))
         self.metrics.update(uploads_equal_raw=float(sum(n for _, n in gathered)),
                             upload_linear_mix=float(self.linear_mix))
-        for cid in torch.unique(enc.owner).tolist():
-            self.upload_bytes[cid] = enc.select((enc.owner == cid).nonzero().flatten()).wire_bytes()
+        for device_upload, _ in gathered:  # one device's encoded samples each
+            if len(device_upload):
+                self.upload_bytes[int(device_upload.owner[0])] = device_upload.wire_bytes()
         self.metrics.update(encoded_uploaded=float(len(enc)), target_labels=float(len(targets)))
         return enc, deficits
 

@@ -42,6 +42,7 @@ for MNIST) and the samples are not quantised.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, fields
@@ -169,7 +170,11 @@ class SeedSet:
         return self._map(lambda t: t.to(device))
 
     def wire_bytes(self, pixel_bits: int = 8) -> int:
-        """Bytes of the upload: ``pixel_bits`` per input value (the paper's b_s) plus K label ids.
+        """Bytes of the upload: ``pixel_bits`` per input value (the paper's b_s) plus K label ids."""
+        return len(self) * self.row_bytes(pixel_bits)
+
+    def row_bytes(self, pixel_bits: int = 8) -> int:
+        """Bytes of one seed on the wire.
 
         The ratios are the same on every device (Eq. 6: "given identically for all
         devices"), so a soft label travels as its label ids, each in the fewest whole
@@ -177,8 +182,7 @@ class SeedSet:
         """
         pixels = int(np.prod(self.x.shape[1:]))
         label_bytes = max(1, math.ceil(math.log2(max(self.num_classes, 2)) / 8))
-        per = math.ceil(pixels * pixel_bits / 8) + self.labels.shape[1] * label_bytes
-        return len(self) * per
+        return math.ceil(pixels * pixel_bits / 8) + self.labels.shape[1] * label_bytes
 
     @staticmethod
     def cat(parts: Sequence["SeedSet"]) -> "SeedSet":
@@ -253,10 +257,17 @@ class _LabelQueues:
         return q.pop(0)
 
 
+@functools.lru_cache(maxsize=4096)
+def _slot_permutation(schedule_seed: int, slot: int, num_classes: int) -> torch.Tensor:
+    """Slot ``slot``'s label permutation, common to all devices: drawn once per process, not once
+    per device (20,000 devices x 10 slots: 7 s of generator set-up). Read-only."""
+    g = torch.Generator().manual_seed(derive_seed(schedule_seed, "seed-labels", slot))
+    return torch.randperm(num_classes, generator=g)
+
+
 def _shared_tuple(slot: int, held: torch.Tensor, n: int, num_classes: int, schedule_seed: int, cid: int) -> List[int]:
     """Slot ``slot``'s label tuple: the first N held labels of a permutation common to all devices, rotated by cid."""
-    g = torch.Generator().manual_seed(derive_seed(schedule_seed, "seed-labels", slot))
-    perm = torch.randperm(num_classes, generator=g)
+    perm = _slot_permutation(schedule_seed, slot, num_classes)
     base = perm[held[perm]][:n]
     # torch.roll(a, r)[m] = a[m - r]: device rotation r weighs base label l with lam[(l + r) mod N],
     # row r of Eq. 8's circulant.
