@@ -131,7 +131,7 @@ def test_device_errors_are_clear():
         mixed_seeds(x, y, 5, (0.2, 0.2, 0.2), C, gen("e"), cid=0)
     with pytest.raises(ConfigError, match="model-input space"):
         mixed_seeds((x * 255).long(), y, 5, 0.1, C, gen("e"), cid=0)
-    with pytest.raises(DataError, match="fewer than N_S"):
+    with pytest.raises(DataError, match="fewer than N_S = 61 .*lower --seeds-per-device to 60"):
         raw_seeds(x, y, 61, gen("e"), cid=0, num_classes=C)
     with pytest.raises(DataError, match="no training samples"):
         raw_seeds(x[:0], y[:0], 1, gen("e"), cid=0, num_classes=C)

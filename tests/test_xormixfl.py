@@ -226,6 +226,20 @@ def test_no_encoded_upload_names_both_causes(tmp_path):
         eng.algo.round_begin(type("R", (), {"index": 0, "sampled": list(range(6))})())
 
 
+@pytest.mark.parametrize("algo", ["xormixfl", "mixfl"])
+def test_a_dataset_without_pixels_is_refused_before_any_upload(algo):
+    # the synthetic dataset's Gaussian images are no pixels: refused when built, naming the dataset
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    cfg, ao, do = parse_args(["--algo", algo, "--dataset", "synthetic", "--data-opt", "shape=1x8x8", "--model", "mlp",
+                              "--num-clients", "4", "--clients-per-round", "2", *SERVER, "--threads", "1", "--quiet",
+                              "--no-tensorboard"])
+    with pytest.raises(ConfigError, match=r"encodes image pixels, which dataset 'synthetic' does not hold: .*"
+                                          r"values in \[-.*--dataset digits"):
+        Engine(cfg, ao, do, World(threads=1))
+
+
 def test_one_shot_algorithms_need_the_server_set():
     from fedhpc.engine import Engine
     from fedhpc.world import World

@@ -480,6 +480,12 @@ class EncodedUploads(OneShotServer):
                               f"lacks, but that set holds {counts[0]} of every label, so it lacks none; name its "
                               f"target labels with --data-opt server_deficient=L1,L2 --data-opt "
                               f"server_deficient_count=n (n < server_per_label)")
+        try:  # the devices' inputs come from the same dataset: refused here, not in round 1
+            to_pixels(self.server_x)
+        except DataError as e:
+            raise ConfigError(f"--algo {self.name} encodes image pixels, which dataset {self.cfg.dataset!r} does "
+                              f"not hold: {e}; use a dataset stored as pixels (uint8, or floats in [0, 1]), e.g. "
+                              f"--dataset digits or mnist") from None
 
     def device_pixels(self, cid: int) -> Tuple[torch.Tensor, torch.Tensor]:
         c = self.data.client(cid)

@@ -231,7 +231,8 @@ def raw_seeds(x: torch.Tensor, y: torch.Tensor, n_seeds: int, generator: torch.G
     y = _check_inputs(x, y, n_seeds, num_classes, cid)
     if n_seeds > len(y):
         raise DataError(f"client {cid} has {len(y)} training samples, fewer than N_S = {n_seeds} "
-                        f"raw seeds drawn without replacement; lower the seeds per device")
+                        f"raw seeds drawn without replacement; lower --seeds-per-device to {len(y)} or "
+                        f"give every device more samples (fewer clients, a milder partition)")
     pick = torch.randperm(len(y), generator=generator)[:n_seeds]
     n = len(pick)
     return SeedSet(
