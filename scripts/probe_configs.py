@@ -106,8 +106,6 @@ def _records(out: str) -> List[dict]:
 def resume_difference(launch, flags: List[str], k: int, out: str) -> Optional[str]:
     """None when K rounds extended to 4 with --resume end as 4 uninterrupted rounds do; else what
     differs. ``launch(flags) -> (exit code, stderr)``; the uninterrupted run must have trained."""
-    import torch
-
     flags = _without(flags, "--rounds", "--checkpoint-every", "--save-client-models")
     whole, parts = os.path.join(out, "whole"), os.path.join(out, "parts")
     steps = [(whole, ["--rounds", "4"]), (parts, ["--rounds", str(k)]), (parts, ["--rounds", "4", "--resume"])]

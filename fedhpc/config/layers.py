@@ -21,6 +21,13 @@ from .run import RunConfig
 from .values import coerce_value, flag_for, option_names
 
 
+def algorithms_with_option(name: Any) -> List[str]:
+    """The registered algorithms that have option ``name``, by name."""
+    from ..algorithms import ALGORITHMS
+
+    return [n for n in ALGORITHMS.names() if name in option_names(ALGORITHMS.get(n).Options)]
+
+
 def unknown_settings_message(path: str, unknown: List[Any], file_values: Dict[str, Any], algo_name: Any,
                              data_name: Any, model_name: Any) -> str:
     """The message for top-level keys that are not settings: where an option belongs, or the near key."""
@@ -49,7 +56,7 @@ def unknown_settings_message(path: str, unknown: List[Any], file_values: Dict[st
             example = yaml.safe_dump({home[0]: {k: file_values[k]}}, default_flow_style=None).strip()
             notes.append(f"{k!r} is an option of {home[1]}: put it under {home[0]} (`{example}`)")
             continue
-        others = [n for n in ALGORITHMS.names() if k in option_names(ALGORITHMS.get(n).Options)]
+        others = algorithms_with_option(k)
         if others:
             notes.append(f"{k!r} is an option of algorithm(s) {', '.join(others)}, not of the algorithm this "
                          f"file runs: set algo: to one of them and put {k!r} under algo_options:")
@@ -72,15 +79,13 @@ def unknown_flags_message(extra: List[str], algo_name: str, flags: List[str]) ->
     them) when ``algo_name`` runs and ``flags`` are the flags it has: an option of other algorithms
     is named with them (argparse only knows the chosen algorithm's), another flag with its near
     flag."""
-    from ..algorithms import ALGORITHMS
-
     notes = []
     for word in extra:
         if not word.startswith("--"):
             continue  # a value of the flag before it, or a stray word: shown in the list of all of them
         flag = word.split("=", 1)[0]
         name = flag[2:].replace("-", "_")
-        others = [n for n in ALGORITHMS.names() if name in option_names(ALGORITHMS.get(n).Options)]
+        others = algorithms_with_option(name)
         if others:
             notes.append(f"{flag} is an option of algorithm(s) {', '.join(others)}, not of {algo_name}: choose one "
                          f"of them with --algo, or drop {flag}")
