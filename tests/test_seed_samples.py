@@ -183,7 +183,7 @@ def test_collect_orders_by_device_and_position_whatever_the_rank_split():
     assert one.index.tolist() == list(range(4)) * 5
     for split in ({0: [0, 2, 4], 1: [1, 3]}, {0: [3, 4], 1: [0, 1, 2]}):
         # Rank 1 runs first and leaves its payload (its own result is partial: ignore it).
-        payloads = {0: []}
+        payloads = {0: ([], None)}  # a rank's payload: its devices and their joined seeds
         collect_seeds(FakeRanks(1, 2, payloads), {c: sets[c] for c in split[1]})
         two = collect_seeds(FakeRanks(0, 2, payloads), {c: sets[c] for c in split[0]})
         for k, v in vars(one).items():
@@ -196,7 +196,7 @@ def test_collect_refuses_inconsistent_uploads():
     with pytest.raises(ConfigError, match="belongs to client"):
         collect_seeds(OneRank(), {5: sets[0]})
     with pytest.raises(ConfigError, match="more than one rank"):
-        collect_seeds(FakeRanks(0, 2, {1: [(0, sets[0])]}), {0: sets[0]})
+        collect_seeds(FakeRanks(0, 2, {1: ([0], sets[0])}), {0: sets[0]})
     with pytest.raises(DataError, match="no device uploaded"):
         collect_seeds(OneRank(), {})
     other = mixed_seeds(*device_data(1), 3, 0.3, C, gen("x"), cid=1)

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from ..analysis.privacy import audit_raw_leaves, mds_min_distances, pixel_min_distances
 from ..errors import ConfigError, DataError
+from ..exchanges.mean_data import canonical_order
 from ..server.trainer import ServerTrainConfig, ServerTrainer
 from .base import Algorithm, derive_seed
 
@@ -178,8 +179,11 @@ class EncodedSet:
         return self.owner[:, None]
 
     def wire_bytes(self) -> int:
+        return len(self) * self.row_bytes()
+
+    def row_bytes(self) -> int:
         """8 bits per pixel (as Mix2FLD's b_s) plus one byte per label id (target and dummies)."""
-        return int(self.x.numel()) + len(self) * (1 + int(self.dummies.shape[1]))
+        return self.x.shape[1:].numel() + 1 + int(self.dummies.shape[1])
 
     @staticmethod
     def cat(parts: List["EncodedSet"]) -> "EncodedSet":
@@ -504,7 +508,7 @@ class EncodedUploads(OneShotServer):
                 for t in labels:
                     holders[t].append(cid)
         asks = {t: split_requests(deficits[t], holders[t], o.requests_per_device) for t in targets}
-        local, failure = [], None
+        local, leaked, failure = [], 0, None
         try:
             for cid in mine:
                 req = {t: asks[t].get(cid, 0) for t in targets}
@@ -517,20 +521,23 @@ class EncodedUploads(OneShotServer):
                                     num_classes=self.num_classes, dummy_pool=o.dummy_pool())
                 # The audit runs where the device's raw data already is (its hosting rank), so no rank
                 # loads every device; uint8 samples are equal when their distance is below 1.
-                leaked = len(audit_raw_leaves(enc, {cid: pixels}, atol=0.5, rtol=0.0).leaked_rows) if len(enc) else 0
-                local.append((enc, leaked))
+                leaked += len(audit_raw_leaves(enc, {cid: pixels}, atol=0.5, rtol=0.0).leaked_rows) if len(enc) else 0
+                local.append(enc)
         except Exception as e:  # noqa: BLE001 - a device only this rank hosts: raised on every rank below
             failure = e
-        parts = comm.all_gather_object((local, failure is not None))
-        if any(failed for _, failed in parts):
+        # one joined set per rank: pickling a set per device costs seconds at thousands of devices
+        joined_here = EncodedSet.cat(local) if any(len(e) for e in local) else None
+        parts = comm.all_gather_object((joined_here, leaked, failure is not None))
+        if any(failed for _, _, failed in parts):
             comm.raise_together(failure, "encoding the devices' uploads")
-        gathered = [item for part, _ in parts for item in part]
-        enc = EncodedSet.cat(sorted([e for e, _ in gathered], key=lambda s: int(s.owner[0])))
-        self.metrics.update(uploads_equal_raw=float(sum(n for _, n in gathered)),
+        enc = EncodedSet.cat([part for part, _, _ in parts if part is not None])
+        enc = enc.select(canonical_order(enc.owner, enc.index))  # (device, position): any number of ranks
+        self.metrics.update(uploads_equal_raw=float(sum(n for _, n, _ in parts)),
                             upload_linear_mix=float(self.linear_mix))
-        for device_upload, _ in gathered:  # one device's encoded samples each
-            if len(device_upload):
-                self.upload_bytes[int(device_upload.owner[0])] = device_upload.wire_bytes()
+        per_device = torch.bincount(enc.owner, minlength=self.data.num_clients).tolist()
+        for cid, count in enumerate(per_device):
+            if count:
+                self.upload_bytes[cid] = count * enc.row_bytes()
         self.metrics.update(encoded_uploaded=float(len(enc)), target_labels=float(len(targets)))
         return enc, deficits
 
