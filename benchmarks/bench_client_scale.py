@@ -15,7 +15,7 @@ hold too few samples for thousands of devices: not measured here.) Also the time
 ``dirichlet_capped`` to refuse a split it cannot make at the largest size (1,000 draws).
 
 Usage:  python benchmarks/bench_client_scale.py [--clients 2500 5000 10000 20000] [--algos mix2fld fld]
-            [--baseline DIR]   (DIR: e.g. `git worktree add DIR 3eeee08`, the code before the fix)
+            [--ranks 2] [--baseline DIR] [--skip-refusal]   (DIR: e.g. `git worktree add DIR 3eeee08`, the code before the fix)
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ ALGO_FLAGS = {
 }
 
 
-def round_one_seconds(algo: str, clients: int, out: str, repo: str = REPO) -> float:
+def round_one_seconds(algo: str, clients: int, out: str, repo: str = REPO, ranks: int = 1) -> float:
     flags = ALGO_FLAGS[algo]
     data = ["--dataset", "synthetic", "--data-opt", "shape=1x8x8", "--data-opt", f"train_samples={10 * clients}"]
-    cmd = [sys.executable, "-m", "fedhpc.launch", "--algo", algo, *flags, *data, "--num-clients", str(clients),
+    mpiexec = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks)] if ranks > 1 else []
+    cmd = [*mpiexec, sys.executable, "-m", "fedhpc.launch", "--algo", algo, *flags, *data, "--num-clients", str(clients),
            "--clients-per-round", "10", "--rounds", "1", "--partition", "iid", "--threads", "1", "--quiet",
            "--no-tensorboard", "--out", out]
     proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True,
@@ -82,6 +83,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[2500, 5000, 10000, 20000])
     parser.add_argument("--algos", nargs="*", default=["mix2fld", "mixfld", "fld"],
                         help="none: only the dirichlet_capped refusal")
+    parser.add_argument("--skip-refusal", action="store_true", help="leave out the dirichlet_capped refusal")
+    parser.add_argument("--ranks", type=int, default=1, help="MPI ranks per run (mpiexec from the venv)")
     parser.add_argument("--baseline", metavar="DIR",
                         help="also run each algorithm from this checkout of fedhpc (e.g. a `git worktree` of an "
                              "older commit), in the same invocation, same interpreter")
@@ -92,13 +95,13 @@ def main() -> int:
     checkouts = [("", REPO)] + ([(" (baseline)", os.path.abspath(args.baseline))] if args.baseline else [])
     for _, repo in checkouts if args.algos else []:
         # untimed: a checkout's first run may build the native ops or write its .pyc files
-        round_one_seconds(args.algos[0], 100, os.path.join(tmp, "warm-up"), repo)
+        round_one_seconds(args.algos[0], 100, os.path.join(tmp, "warm-up"), repo, args.ranks)
     for algo in args.algos:
         for label, repo in checkouts:
-            per = [round_one_seconds(algo, c, os.path.join(tmp, f"{algo}-{c}"), repo) / c for c in args.clients]
+            per = [round_one_seconds(algo, c, os.path.join(tmp, f"{algo}-{c}"), repo, args.ranks) / c for c in args.clients]
             cells = " | ".join(f"{p * 1e3:.3f} ms" for p in per)
             print(f"| {algo}{label} | {cells} | {per[-1] / per[0]:.2f} |", flush=True)
-    for label, repo in checkouts:
+    for label, repo in [] if args.skip_refusal else checkouts:
         print(f"\ndirichlet_capped:0.5 refusing {args.clients[-1]:,} clients of 11 samples (1,000 draws){label}: "
               f"{capped_refusal_seconds(args.clients[-1], repo):.1f} s", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
