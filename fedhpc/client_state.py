@@ -4,7 +4,7 @@ Which rank trains a client changes from round to round, so the store tracks wher
 each client's latest state lives. Because client sampling and the client-to-rank
 assignment are deterministic and replicated, every rank knows that location map
 without asking anyone; at the start of a round, states whose client moved are
-shipped from the old rank to the new one in one ``all_gather_object``.
+shipped from the old rank to the new one, point to point (``World.send_objects``).
 
 Each rank keeps its states in memory up to a byte budget (least recently used
 first out) and spills the rest to ``spill_dir/rank<r>/<cid>.pt``.
@@ -187,10 +187,13 @@ class ClientStateStore:
         moves = {cid: (self.location[cid], dst) for cid, dst in assignment.items()
                  if cid in self.location and self.location[cid] != dst}
         if moves and self.world.size > 1:
-            outgoing = {cid: self.pop(cid) for cid, (src, _) in moves.items() if src == self.world.rank}
-            for parcel in self.world.all_gather_object(outgoing):
+            outgoing: Dict[int, Dict[int, Any]] = {}
+            for cid, (src, dst) in moves.items():
+                if src == self.world.rank:
+                    outgoing.setdefault(dst, {})[cid] = self.pop(cid)
+            for parcel in self.world.send_objects(outgoing).values():
                 for cid, state in parcel.items():
-                    if moves[cid][1] == self.world.rank and state is not None:
+                    if state is not None:
                         self._insert(cid, state)
         self.location.update(assignment)
         return len(moves)

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import socket
 import sys
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -272,6 +273,39 @@ class World:
         out: List[Any] = [None] * self.size
         self._guard("all_gather_object", dist.all_gather_object, out, obj, group=self._cpu_group)
         return out
+
+    def send_objects(self, outgoing: Dict[int, Any]) -> Dict[int, Any]:
+        """Point to point: ``outgoing[dst]`` goes to rank ``dst`` alone; returns {src: object} of
+        what other ranks sent here. Collective (every rank calls it, with {} when it sends
+        nothing): one all-gather of the byte counts, then only the parcels travel, where an
+        all_gather_object would hand every parcel to every rank."""
+        if self.size == 1:
+            return {}
+        parcels = {dst: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) for dst, obj in outgoing.items()}
+        if self.rank in parcels:
+            raise ValueError(f"rank {self.rank} sends a parcel to itself; keep it instead")
+        counts = torch.zeros(self.size, dtype=torch.int64)
+        for dst, data in parcels.items():
+            counts[dst] = len(data)
+        table = [torch.zeros_like(counts) for _ in range(self.size)]
+        self._guard("send_objects (sizes)", dist.all_gather, table, counts, group=self._cpu_group)
+
+        def exchange():
+            requests, inbox = [], {}
+            for dst, data in parcels.items():
+                requests.append(dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst,
+                                           group=self._cpu_group))
+            for src in range(self.size):
+                n = int(table[src][self.rank])
+                if n and src != self.rank:
+                    inbox[src] = torch.empty(n, dtype=torch.uint8)
+                    requests.append(dist.irecv(inbox[src], src, group=self._cpu_group))
+            for request in requests:
+                request.wait()
+            return inbox
+
+        inbox = self._guard("send_objects", exchange)
+        return {src: pickle.loads(buf.numpy().tobytes()) for src, buf in sorted(inbox.items())}
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.size == 1:
