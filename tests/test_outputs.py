@@ -50,9 +50,13 @@ def signal_a_long_run(out, signum, checkpoint_every, after_records):
     returns (exit code, stderr)."""
     args = FAST[:]
     args[args.index("--rounds") + 1] = "400"
+    # A suite started in the background (`nohup ... &`, some CI runners) hands its children SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt: the run would finish its 400 rounds.
+    # The child gets the disposition a terminal's job has.
     proc = subprocess.Popen([sys.executable, "-m", "fedhpc.launch", *args, "--out", out, "--checkpoint-every",
                              str(checkpoint_every)],
-                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     path = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + 120
     while time.time() < deadline and not (os.path.exists(path) and sum(1 for _ in open(path)) >= after_records):
