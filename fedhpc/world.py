@@ -276,14 +276,14 @@ class World:
 
     def send_objects(self, outgoing: Dict[int, Any]) -> Dict[int, Any]:
         """Point to point: ``outgoing[dst]`` goes to rank ``dst`` alone; returns {src: object} of
-        what other ranks sent here. Collective (every rank calls it, with {} when it sends
+        what the ranks sent here, in rank order (a parcel to itself comes back as it is). Collective (every rank calls it, with {} when it sends
         nothing): one all-gather of the byte counts, then only the parcels travel, where an
         all_gather_object would hand every parcel to every rank."""
+        kept = {self.rank: outgoing[self.rank]} if self.rank in outgoing else {}  # to itself: handed back
         if self.size == 1:
-            return {}
-        parcels = {dst: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) for dst, obj in outgoing.items()}
-        if self.rank in parcels:
-            raise ValueError(f"rank {self.rank} sends a parcel to itself; keep it instead")
+            return kept
+        parcels = {dst: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) for dst, obj in outgoing.items()
+                   if dst != self.rank}
         counts = torch.zeros(self.size, dtype=torch.int64)
         for dst, data in parcels.items():
             counts[dst] = len(data)
@@ -305,7 +305,8 @@ class World:
             return inbox
 
         inbox = self._guard("send_objects", exchange)
-        return {src: pickle.loads(buf.numpy().tobytes()) for src, buf in sorted(inbox.items())}
+        received = {src: pickle.loads(buf.numpy().tobytes()) for src, buf in inbox.items()}
+        return dict(sorted({**received, **kept}.items()))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.size == 1:
