@@ -48,14 +48,20 @@ def sample_clients(seed: int, round_index: int, num_clients: int, k: int) -> Lis
     return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
 
 
-def assign_clients(sampled: List[int], sizes: np.ndarray, world_size: int) -> Dict[int, int]:
-    """cid -> rank, balancing training samples: largest client first onto the least-loaded rank."""
+def assign_clients(sampled: List[int], sizes: np.ndarray, world_size: int, group: int = 1) -> Dict[int, int]:
+    """cid -> rank, balancing training samples: largest unit first onto the least-loaded rank.
+
+    A unit is ``group`` consecutive clients of ``sampled`` (the ``--clients-at-once`` groups),
+    kept on one rank: a batched group's float rounding depends on which clients it holds, so
+    groups fixed before the ranks are chosen keep the results independent of the rank count
+    (a rank's clients, in sampled order, split into the same groups)."""
+    units = [sampled[i:i + group] for i in range(0, len(sampled), group)]
     load = [0] * world_size
     out = {}
-    for cid in sorted(sampled, key=lambda c: (-int(sizes[c]), c)):
+    for unit in sorted(units, key=lambda u: (-sum(int(sizes[c]) for c in u), u[0])):
         r = min(range(world_size), key=lambda i: (load[i], i))
-        out[cid] = r
-        load[r] += int(sizes[cid])
+        out.update({cid: r for cid in unit})
+        load[r] += sum(int(sizes[c]) for c in unit)
     return out
 
 
@@ -240,7 +246,7 @@ class Engine(Evaluation, RunLog, Resume):
         sampled = sample_clients(cfg.seed, t, len(self.training_clients), cfg.clients_per_round)
         if self.cold_start:  # positions in the training pool -> client ids
             sampled = sorted(self.training_clients[i] for i in sampled)
-        assignment = assign_clients(sampled, self.sizes, world.size)
+        assignment = assign_clients(sampled, self.sizes, world.size, max(cfg.clients_at_once, 1))
         mine = [c for c in sampled if assignment[c] == world.rank]
         rnd = RoundInfo(t, sampled, mine, cfg.lr * cfg.lr_decay ** t)
         if self.uses_store:

@@ -11,6 +11,7 @@ against :func:`fedhpc.algorithms.mixing.fedmix_loss` on each client's unpadded b
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -499,3 +500,47 @@ def test_two_ranks_batched_equal_one_rank_sequential(tmp_path):
         models[name] = torch.load(os.path.join(out, "final_model.pt"))
     diff = max(float((models["seq"][n] - models["two_ranks_batched"][n]).abs().max()) for n in models["seq"])
     assert diff <= 3 * TOL, diff
+
+
+@needs_engine_dispatch
+def test_batched_runs_give_the_same_model_and_losses_on_one_and_two_ranks(tmp_path):
+    """--clients-at-once 3 on 1 rank and on 2, bit for bit: a group's float rounding depends on
+    which clients it holds (grouped convolutions), so groups are fixed before the ranks are
+    chosen. Grouping each rank's own clients, 10 clients gave groups of 3+3+3+1 on one rank and
+    3+2 per rank on two, and models 1.5e-8 apart."""
+    import json
+    import os
+
+    from conftest import launch
+
+    args = ["--algo", "fedprox", "--model", "cnn", "--model-opt", "width=4", "--partition", "classes:2",
+            "--num-clients", "10", "--clients-per-round", "10", "--batch-size", "10", "--rounds", "2",
+            "--seed", "3", "--clients-at-once", "3", "--threads", "1", "--quiet", "--no-tensorboard"]
+    got = {}
+    for ranks in (1, 2):
+        out = str(tmp_path / f"r{ranks}")
+        p = launch(args + ["--out", out], ranks=ranks, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            losses = [(r["train_loss"], r["test_loss"]) for r in map(json.loads, f)]
+        got[ranks] = (torch.load(os.path.join(out, "final_model.pt")), losses)
+    (one, one_losses), (two, two_losses) = got[1], got[2]
+    assert all(torch.equal(one[n], two[n]) for n in one)
+    assert one_losses == two_losses
+
+
+@pytest.mark.parametrize("world,k", [(2, 3), (3, 4), (4, 1)])
+def test_assignment_keeps_each_group_of_sampled_clients_on_one_rank(world, k):
+    from fedhpc.engine import assign_clients, sample_clients
+
+    sizes = np.random.default_rng(1).integers(5, 500, size=100)
+    sampled = sample_clients(0, 0, 100, 23)
+    a = assign_clients(sampled, sizes, world, group=k)
+    groups = [sampled[i:i + k] for i in range(0, len(sampled), k)]
+    assert sorted(a) == sampled
+    assert all(len({a[c] for c in g}) == 1 for g in groups)
+    for r in range(world):  # a rank's clients in sampled order, cut every k, are the global groups
+        mine = [c for c in sampled if a[c] == r]
+        assert all(mine[i:i + k] in groups for i in range(0, len(mine), k))
+    if k == 1:
+        assert a == assign_clients(sampled, sizes, world)
