@@ -19,8 +19,8 @@ a final model that differs in any bit, or metrics rows whose accuracies and loss
 finding (the standard set's resume test, over combinations of run features it does not draw).
 Methods whose updates read --rounds (identity_settings) cannot be extended and are skipped.
 
-``--ranks-check``: each configuration runs on 1 rank and on 2 MPI ranks; the final models must be
-equal bit for bit and the metrics rows' accuracies and losses equal (the standard set's 1-vs-2-ranks
+``--ranks-check``: each configuration runs on 1 rank and on ``--ranks`` MPI ranks (default 2); the
+final models must be equal bit for bit and the metrics rows' accuracies and losses equal (the standard set's 1-vs-2-ranks
 test, over the same combinations). Configurations with fewer clients per round than 2 still run:
 a rank with no client that round must not change the result.
 """
@@ -133,16 +133,16 @@ def outputs_difference(one: str, other: str) -> Optional[str]:
     return None
 
 
-def ranks_difference(launch, flags: List[str], out: str) -> Optional[str]:
-    """None when the configuration ends alike on 1 and 2 ranks; else what differs.
+def ranks_difference(launch, flags: List[str], out: str, ranks: int = 2) -> Optional[str]:
+    """None when the configuration ends alike on 1 and ``ranks`` ranks; else what differs.
     ``launch(flags, ranks) -> (exit code, stderr)``."""
     one, two = os.path.join(out, "one"), os.path.join(out, "two")
     code, err = launch([*flags, "--out", one], 1)
     if code != 0:
         return None  # refused or diverged: the plain probe judges those
-    code, err = launch([*flags, "--out", two], 2)
+    code, err = launch([*flags, "--out", two], ranks)
     if code != 0:
-        return f"the 2-rank run exited {code} where 1 rank trained: {err[-600:]}"
+        return f"the {ranks}-rank run exited {code} where 1 rank trained: {err[-600:]}"
     return outputs_difference(one, two)
 
 
@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--resume-check", action="store_true",
                         help="compare K rounds resumed to 4 with 4 uninterrupted rounds (see the module docstring)")
     parser.add_argument("--ranks-check", action="store_true",
-                        help="compare each configuration on 1 and on 2 MPI ranks (see the module docstring)")
+                        help="compare each configuration on 1 and on --ranks MPI ranks (see the module docstring)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks --ranks-check compares with 1 (default 2)")
     args = parser.parse_args(argv)
 
     from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
                 return None, "timed out after 600 s"
 
         if args.ranks_check:
-            difference = ranks_difference(launch, flags, out)
+            difference = ranks_difference(launch, flags, out, args.ranks)
             compared += os.path.exists(os.path.join(out, "two"))
             shutil.rmtree(out, ignore_errors=True)
             if difference:
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
             print(json.dumps({"run": i, "ranks": 2 if two else 1, "exit": code, "flags": " ".join(flags),
                               "stderr_tail": err[-1500:]}), flush=True)
     if args.ranks_check or args.resume_check:
-        what = "run on 1 and 2 ranks" if args.ranks_check else "resumed"
+        what = f"run on 1 and {args.ranks} ranks" if args.ranks_check else "resumed"
         print(f"{args.count} configurations (seed {args.seed}): {compared} {what} and compared, "
               f"{findings} finding(s)")
     else:
