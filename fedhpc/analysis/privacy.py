@@ -36,11 +36,12 @@ distance of :func:`pixel_min_distances`, which is reported beside it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Sequence, Union
 
 import torch
 
 from ..errors import DataError
+from ..exchanges.mean_data import invert_owners
 
 RawLookup = Union[Mapping[int, torch.Tensor], Callable[[int], torch.Tensor]]
 
@@ -79,13 +80,14 @@ def _getter(raw: RawLookup) -> Callable[[int], torch.Tensor]:
     return raw.__getitem__ if isinstance(raw, Mapping) else raw
 
 
-def _grouped(values: torch.Tensor) -> List[Tuple[int, torch.Tensor]]:
-    """(value, its positions in ascending order) for each distinct value of the 1-D ``values``,
-    values ascending: one sort, where a mask per value costs devices x samples (20,000 devices'
-    seeds: minutes)."""
-    order = torch.argsort(values, stable=True)
-    distinct, counts = torch.unique_consecutive(values[order], return_counts=True)
-    return list(zip(distinct.tolist(), torch.split(order, counts.tolist())))
+def _by_device(owners: torch.Tensor):
+    """(device, ascending row positions of ``owners`` that list it) for each device listed, in
+    device order: one sort (:func:`~fedhpc.exchanges.mean_data.invert_owners`), where a mask
+    per device costs devices x samples (20,000 devices' seeds: minutes)."""
+    ptr, positions = invert_owners(owners)
+    for cid in range(len(ptr) - 1):
+        if ptr[cid + 1] > ptr[cid]:
+            yield cid, positions[ptr[cid]:ptr[cid + 1]]
 
 
 def raw_sources(seeds, raw: RawLookup) -> torch.Tensor:
@@ -97,7 +99,7 @@ def raw_sources(seeds, raw: RawLookup) -> torch.Tensor:
     cids, index = seeds.source_cid.cpu(), seeds.source_index.cpu()
     n, s = cids.shape
     out = torch.empty((n, s) + tuple(seeds.x.shape[1:]), dtype=torch.float64)
-    for cid, at in _grouped(cids.reshape(-1)):
+    for cid, at in _by_device(cids.reshape(-1, 1)):  # positions in the flattened (n * S) table
         row, col = at // s, at % s
         out[row, col] = get(cid).cpu()[index[row, col]].double()
     return out
@@ -138,10 +140,7 @@ def audit_raw_leaves(seeds, raw: RawLookup, atol: float = 1e-6, rtol: float = 1e
     x = seeds.x.detach().cpu().reshape(len(seeds), -1).double()
     nearest = torch.full((len(seeds),), float("inf"), dtype=torch.float64)
     cids = seeds.source_cid.cpu()
-    # each (device, row) pair once: a row mixing two samples of one device is compared once
-    pairs = torch.unique(cids * len(seeds) + torch.arange(len(seeds))[:, None])
-    for cid, at in _grouped(pairs // max(len(seeds), 1)):
-        rows = pairs[at] % len(seeds)
+    for cid, rows in _by_device(cids):  # a row mixing two samples of one device is compared once
         pool = get(cid).detach().cpu().reshape(-1, x.shape[1]).double()
         # Exact differences, not the |a|^2 + |b|^2 - 2ab shortcut that leaves ~1e-7 on identical rows.
         d = torch.cdist(x[rows], pool, compute_mode="donot_use_mm_for_euclid_dist").min(dim=1).values

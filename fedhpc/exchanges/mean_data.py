@@ -129,7 +129,7 @@ class MeanData:
     def positions_of(self, cid: int) -> torch.Tensor:
         """Sorted positions of the entries that hold client ``cid``'s data (O(own entries))."""
         if self._by_owner is None:
-            self._by_owner = _invert_owners(self.owners)
+            self._by_owner = invert_owners(self.owners)
         ptr, positions = self._by_owner
         if not 0 <= cid < len(ptr) - 1:
             return positions[:0]
@@ -153,11 +153,13 @@ class MeanData:
         return len(self) * self.entry_bytes()
 
 
-def _invert_owners(owners: torch.Tensor) -> Tuple[np.ndarray, torch.Tensor]:
+def invert_owners(owners: torch.Tensor) -> Tuple[np.ndarray, torch.Tensor]:
     """CSR index client -> ascending positions of the entries listing it, in one sort of the table.
 
     A key ``owner * E + position`` sorts by client, then position; ``unique`` also
     drops a client listed twice in one entry, so each position appears once per client.
+    Negative owners (padding) are left out. Also the privacy audit's grouping of samples by
+    the devices behind them (fedhpc.analysis.privacy).
     """
     e, m = owners.shape
     own = owners.detach().to("cpu").reshape(-1)
