@@ -55,13 +55,14 @@ def assign_clients(sampled: List[int], sizes: np.ndarray, world_size: int, group
     kept on one rank: a batched group's float rounding depends on which clients it holds, so
     groups fixed before the ranks are chosen keep the results independent of the rank count
     (a rank's clients, in sampled order, split into the same groups)."""
-    units = [sampled[i:i + group] for i in range(0, len(sampled), group)]
+    units = [(sum(int(sizes[c]) for c in sampled[i:i + group]), sampled[i:i + group])
+             for i in range(0, len(sampled), group)]
     load = [0] * world_size
     out = {}
-    for unit in sorted(units, key=lambda u: (-sum(int(sizes[c]) for c in u), u[0])):
+    for samples, unit in sorted(units, key=lambda u: (-u[0], u[1][0])):
         r = min(range(world_size), key=lambda i: (load[i], i))
         out.update({cid: r for cid in unit})
-        load[r] += sum(int(sizes[c]) for c in unit)
+        load[r] += samples
     return out
 
 

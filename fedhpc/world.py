@@ -276,9 +276,10 @@ class World:
 
     def send_objects(self, outgoing: Dict[int, Any]) -> Dict[int, Any]:
         """Point to point: ``outgoing[dst]`` goes to rank ``dst`` alone; returns {src: object} of
-        what the ranks sent here, in rank order (a parcel to itself comes back as it is). Collective (every rank calls it, with {} when it sends
-        nothing): one all-gather of the byte counts, then only the parcels travel, where an
-        all_gather_object would hand every parcel to every rank."""
+        what the ranks sent here, in rank order (a parcel to itself comes back as it is).
+        Collective (every rank calls it, with {} when it sends nothing): one all-gather of the
+        byte counts, then only the parcels travel, where an all_gather_object would hand every
+        parcel to every rank."""
         kept = {self.rank: outgoing[self.rank]} if self.rank in outgoing else {}  # to itself: handed back
         if self.size == 1:
             return kept

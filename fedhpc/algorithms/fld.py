@@ -160,8 +160,8 @@ class FLD(Algorithm):
         local = {cid: self.make_seeds(cid) for cid in self.hosted_training_clients()}
         collected = self.collected = collect_seeds(comm, local)
         seeds_per_device = torch.bincount(collected.owner.cpu(), minlength=self.data.num_clients).tolist()
-        for cid in range(self.data.num_clients):
-            self.seed_bytes[cid] = seeds_per_device[cid] * collected.row_bytes()
+        row_bytes = collected.row_bytes()
+        self.seed_bytes.update({cid: count * row_bytes for cid, count in enumerate(seeds_per_device)})
         if self.options.seed_delivery == "always":
             self.build_server_set(collected, collected)
             if rnd.index == 0 and comm.rank == 0:

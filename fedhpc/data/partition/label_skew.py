@@ -69,10 +69,10 @@ def _dirichlet_capped_args(arg: str) -> Tuple[float, int]:
 
 
 def _capped_draw(members: List[np.ndarray], n: int, total: int, alpha: float,
-                 rng: np.random.Generator) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+                 rng: np.random.Generator) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """One draw of ``dirichlet_capped`` over the classes' index arrays ``members``: (the indices
-    in drawn order, class after class, and the client each goes to), or None where a class found
-    no client to take it (all proportions left by the cap are exactly 0).
+    in drawn order, class after class; the client each goes to; the clients' sizes), or None
+    where a class found no client to take it (all proportions left by the cap are exactly 0).
 
     Only client sizes are kept while drawing; nothing is split into per-client arrays, since most
     draws are thrown away when the minimum is hard to meet (20,000 clients: 0.3 s a draw with
@@ -92,13 +92,14 @@ def _capped_draw(members: List[np.ndarray], n: int, total: int, alpha: float,
         sizes += chunk
         order.append(idx)
         owner.append(np.repeat(np.arange(n), chunk))
-    return np.concatenate(order), np.concatenate(owner)
+    return np.concatenate(order), np.concatenate(owner), sizes
 
 
-def _split_by_owner(order: np.ndarray, owner: np.ndarray, n: int) -> List[np.ndarray]:
-    """Client k's indices: those of ``order`` whose ``owner`` is k (make_partition sorts them)."""
+def _split_by_owner(order: np.ndarray, owner: np.ndarray, sizes: np.ndarray) -> List[np.ndarray]:
+    """Client k's indices: those of ``order`` whose ``owner`` is k, ``sizes[k]`` of them
+    (make_partition sorts them)."""
     by_client = np.argsort(owner, kind="stable")
-    return np.split(order[by_client], np.cumsum(np.bincount(owner, minlength=n))[:-1])
+    return np.split(order[by_client], np.cumsum(sizes)[:-1])
 
 
 @register_partition("dirichlet_capped", f":ALPHA[:MIN] (Dir(ALPHA) with the FedML/MOON/FedAlign code's size cap, "
@@ -139,8 +140,8 @@ def _dirichlet_capped(labels, n, rng, arg, min_samples=1):
     members = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     for _ in range(CAPPED_ATTEMPTS):
         drawn = _capped_draw(members, n, total, alpha, rng)
-        if drawn is not None and np.bincount(drawn[1], minlength=n).min() >= minimum:
-            return _split_by_owner(*drawn, n)
+        if drawn is not None and drawn[2].min() >= minimum:
+            return _split_by_owner(*drawn)
     raise ConfigError(
         f"partition 'dirichlet_capped:{arg}': {CAPPED_ATTEMPTS} draws all left some of the {n} clients with fewer "
         f"than {minimum} samples (pool of {total}); lower MIN (dirichlet_capped:{alpha:g}:MIN), use fewer "
