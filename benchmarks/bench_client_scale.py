@@ -1,21 +1,22 @@
 """One-off up-front exchanges at 2,500 .. 20,000 clients: does the cost per client stay flat?
 
 Mix2FLD's, MixFLD's and FLD's first round makes every device's seed samples, gathers them,
-books each device's bytes and measures the seeds' privacy against their raw sources. Work that is linear in the devices costs the same per
-device at any scale; a loop over devices that scans all the gathered samples (what this
-benchmark was written to catch: Mix2FLD took 144 s at 20,000 devices, 46 s at 10,000) makes
-the cost per device grow with the number of devices.
+books each device's bytes and measures the seeds' privacy against their raw sources. Work that
+is linear in the devices costs the same per device at any scale; a loop over devices that scans
+all the gathered samples (what this benchmark was written to catch: Mix2FLD took 144 s at
+20,000 devices, 46 s at 10,000) makes the cost per device grow with the number of devices.
 
-Measured in ONE invocation, each run a fresh launcher process on 1 rank, 1 thread:
-round 1's ``round_seconds`` (from metrics.jsonl) / number of devices (10 of them train), for each size, and the
-ratio largest / smallest size (target about 1; a quadratic loop gives the size ratio, 8).
-Data: ``--dataset synthetic`` at 1x8x8 with 10 samples per device, iid, 4 seeds per device.
-(XorMixFL's encoded uploads need pixels, which the synthetic data are not, and the digits
-hold too few samples for thousands of devices: not measured here.) Also the time for
+Measured in ONE invocation, each run a fresh launcher process on 1 rank (``--ranks``), 1 thread:
+round 1's ``round_seconds`` (from metrics.jsonl) / number of devices (10 of them train), for
+each size, and the ratio largest / smallest size (target about 1; a quadratic loop gives the
+size ratio, 8). Data: ``--dataset synthetic`` at 1x8x8 with 10 samples per device, iid, 4 seeds
+per device. (XorMixFL's encoded uploads need pixels, which the synthetic data are not, and the
+digits hold too few samples for thousands of devices: not measured here.) Also the time for
 ``dirichlet_capped`` to refuse a split it cannot make at the largest size (1,000 draws).
 
 Usage:  python benchmarks/bench_client_scale.py [--clients 2500 5000 10000 20000] [--algos mix2fld fld]
-            [--ranks 2] [--baseline DIR] [--skip-refusal]   (DIR: e.g. `git worktree add DIR 3eeee08`, the code before the fix)
+            [--ranks 2] [--baseline DIR] [--skip-refusal]
+DIR: another checkout run in the same invocation, e.g. `git worktree add DIR 3eeee08` (before the fix).
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ a final model that differs in any bit, or metrics rows whose accuracies and loss
 finding (the standard set's resume test, over combinations of run features it does not draw).
 Methods whose updates read --rounds (identity_settings) cannot be extended and are skipped.
 
-``--ranks-check``: each configuration runs on 1 rank and on ``--ranks`` MPI ranks (default 2); the
-final models must be equal bit for bit and the metrics rows' accuracies and losses equal (the standard set's 1-vs-2-ranks
-test, over the same combinations). Configurations with fewer clients per round than 2 still run:
-a rank with no client that round must not change the result.
+``--ranks-check``: each configuration runs on 1 rank and on ``--ranks`` MPI ranks (default 2);
+the final models must be equal bit for bit and the metrics rows' accuracies and losses equal
+(the standard set's 1-vs-2-ranks test, over the same combinations). Configurations with fewer
+clients per round than ranks still run: a rank with no client that round must not change the
+result.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def ranks_difference(launch, flags: List[str], out: str, ranks: int = 2) -> Opti
     """None when the configuration ends alike on 1 and ``ranks`` ranks; else what differs.
     ``launch(flags, ranks) -> (exit code, stderr)``."""
     one, two = os.path.join(out, "one"), os.path.join(out, "two")
-    code, err = launch([*flags, "--out", one], 1)
+    code, _ = launch([*flags, "--out", one], 1)
     if code != 0:
         return None  # refused or diverged: the plain probe judges those
     code, err = launch([*flags, "--out", two], ranks)
@@ -185,24 +186,20 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 return None, "timed out after 600 s"
 
-        if args.ranks_check:
-            difference = ranks_difference(launch, flags, out, args.ranks)
-            compared += os.path.exists(os.path.join(out, "two"))
-            shutil.rmtree(out, ignore_errors=True)
-            if difference:
-                findings += 1
-                print(json.dumps({"run": i, "flags": " ".join(flags), "difference": difference}), flush=True)
-            continue
-        if args.resume_check:
-            if "rounds" in ALGORITHMS.get(flags[1]).identity_settings:
+        if args.ranks_check or args.resume_check:
+            if args.resume_check and "rounds" in ALGORITHMS.get(flags[1]).identity_settings:
                 continue
-            difference = resume_difference(launch, flags, k, out)
-            compared += os.path.exists(os.path.join(out, "parts"))
+            if args.ranks_check:
+                difference, second = ranks_difference(launch, flags, out, args.ranks), "two"
+                where = {"ranks": [1, args.ranks]}
+            else:
+                difference, second = resume_difference(launch, flags, k, out), "parts"
+                where = {"ranks": 2 if two else 1, "k": k}
+            compared += os.path.exists(os.path.join(out, second))  # both runs trained
             shutil.rmtree(out, ignore_errors=True)
             if difference:
                 findings += 1
-                print(json.dumps({"run": i, "ranks": 2 if two else 1, "k": k, "flags": " ".join(flags),
-                                  "difference": difference}), flush=True)
+                print(json.dumps({"run": i, **where, "flags": " ".join(flags), "difference": difference}), flush=True)
             continue
         code, err = launch([*flags, "--out", out])
         shutil.rmtree(out, ignore_errors=True)
