@@ -5,7 +5,8 @@ and the worst tenth), the reference device's model, and cold-start clients (and,
 
 A mixin of :class:`fedhpc.engine.Engine`, kept apart from the round loop: it reads the
 engine's data, model, flat state, world and algorithm, and shards every evaluation over ranks
-(contiguous test slices, or clients by the rank that holds them) before one all-reduce.
+before one all-reduce: the global model's by contiguous runs of test batches (the global test
+set, or the clients' local splits laid end to end), a client's own model on the rank holding it.
 """
 
 from __future__ import annotations
@@ -87,10 +88,56 @@ class Evaluation:
         return torch.cat([sums, torch.bincount(y, weights=hit.double(), minlength=c).double(),
                           torch.bincount(y, minlength=c).double()])
 
+    def _hits(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Correct predictions of the loaded model per sample (per sequence, for next-character
+        prediction: its positions predicted right), float64."""
+        x, y = x.to(self.world.device), y.to(self.world.device)
+        hit = self.model(self.data.transform(x, False, None)).argmax(-1) == y
+        return hit.reshape(hit.shape[0], -1).sum(1).double()
+
     def _correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Correct predictions of the loaded model on a client's split, in eval-sized batches."""
         bs = self.cfg.eval_batch_size
-        return sum(self._eval_sums(x[s:s + bs], y[s:s + bs])[1] for s in range(0, y.shape[0], bs))
+        return sum(self._hits(x[s:s + bs], y[s:s + bs]).sum() for s in range(0, y.shape[0], bs))
+
+    def _add_global_model_hits(self, table: torch.Tensor, correct_row: int, count_row: int, clients) -> None:
+        """Add this rank's part of the global model's correct predictions and sample counts on the
+        local test splits of ``clients`` into ``table[correct_row / count_row, cid]``.
+
+        One pass over the splits laid end to end in client order and cut into eval batches, each
+        rank taking a contiguous run of whole batches, as :meth:`_evaluate_global` shards the
+        global test set: a forward per client (20,000 clients with a few test samples each) cost
+        a hundred times the round it evaluated. A batch mixes clients; the batches are the same
+        for any rank count, so every count is too."""
+        sizes = self._client_test_sizes()
+        clients = [c for c in clients if sizes[c] > 0]
+        if not clients:
+            return
+        ends = torch.from_numpy(sizes[clients]).cumsum(0)
+        starts = ends - torch.from_numpy(sizes[clients])
+        n, bs = int(ends[-1]), self.cfg.eval_batch_size
+        batches = -(-n // bs)
+        first, last = batches * self.world.rank // self.world.size, batches * (self.world.rank + 1) // self.world.size
+        self.flat.load_(self.global_state)
+        self.model.eval()
+        ids = torch.tensor(clients, dtype=torch.long)
+        for b in range(first, last):
+            r0, r1 = b * bs, min((b + 1) * bs, n)
+            i0 = int(torch.searchsorted(ends, r0, right=True))   # first client ending after r0
+            i1 = int(torch.searchsorted(starts, r1))              # first client starting at or after r1
+            x, y = self.data.client_test_rows(clients[i0:i1])
+            cut = slice(r0 - int(starts[i0]), r1 - int(starts[i0]))
+            x, y = x[cut], y[cut]
+            owner = torch.repeat_interleave(ids[i0:i1], ends[i0:i1] - starts[i0:i1])[cut].to(table.device)
+            table[correct_row].index_add_(0, owner, self._hits(x, y))
+            table[count_row].index_add_(0, owner, torch.full((len(owner),), float(y[0].numel()),
+                                                             dtype=torch.float64, device=table.device))
+
+    def _client_test_sizes(self):
+        """Every client's local test size (numpy), read from the data once per engine."""
+        if getattr(self, "_test_sizes", None) is None:
+            self._test_sizes = self.data.client_test_sizes()
+        return self._test_sizes
 
     def _summed_over_ranks(self, table: torch.Tensor, count_row: int, failure: Optional[Exception],
                            where: str) -> Optional[torch.Tensor]:
@@ -122,25 +169,19 @@ class Evaluation:
         # per client: correct (own model), count, correct (global model), has own model; row 4
         # counts failed ranks
         table = torch.zeros(5, n, dtype=torch.float64, device=dev)
+        # cold-start clients are evaluated once, at the end
+        self._add_global_model_hits(table, 2, 1, self.training_clients)
+        sizes = self._client_test_sizes()
         self.model.eval()
         failure: Optional[Exception] = None  # one rank's failure stops every rank: see _summed_over_ranks
         try:
-            for cid in self.training_clients:  # cold-start clients are evaluated once, at the end
-                if self._evaluator_rank(cid) != self.world.rank:
-                    continue
-                x, y = self.data.client_test_split(cid)
-                if y.numel() == 0:
+            for cid in self.training_clients:
+                if self._evaluator_rank(cid) != self.world.rank or sizes[cid] == 0:
                     continue
                 own = self.algo.client_model(cid)
-                for col, state in ((2, self.global_state), (0, own)):
-                    if state is None:
-                        continue
-                    self.flat.load_(state)
-                    table[col, cid] = self._correct(x, y)
-                table[1, cid] = y.numel()
-                if own is None:
-                    table[0, cid] = table[2, cid]
-                else:
+                if own is not None:
+                    self.flat.load_(own)
+                    table[0, cid] = self._correct(*self.data.client_test_split(cid))
                     table[3, cid] = 1
         except Exception as e:
             failure = e
@@ -148,6 +189,7 @@ class Evaluation:
         table = self._summed_over_ranks(table, 1, failure, "the clients' own models' evaluation")
         if table is None:
             return {}
+        table[0] = torch.where(table[3] > 0, table[0], table[2])  # a client without its own model uses the global one
         has = table[1] > 0
         acc = table[0, has] / table[1, has]
         worst = torch.sort(acc).values[: max(1, int(math.ceil(0.1 * len(acc))))]
@@ -172,27 +214,24 @@ class Evaluation:
         table = torch.zeros(4, n, dtype=torch.float64, device=dev)  # correct before, after, count; failed ranks
         end = self.stop_round
         rnd = RoundInfo(end, [], [], self.cfg.lr * self.cfg.lr_decay ** end)
+        self._add_global_model_hits(table, 0, 2, clients)
+        sizes = self._client_test_sizes()
         failure: Optional[Exception] = None  # one rank's failure stops every rank: see _summed_over_ranks
         try:
             for cid in clients:
-                if self._evaluator_rank(cid) != self.world.rank:
+                if self._evaluator_rank(cid) != self.world.rank or sizes[cid] == 0:
                     continue
-                x, y = self.data.client_test_split(cid)
-                if y.numel() == 0:
-                    continue
-                for col in (0, 1):
-                    self.flat.load_(self.global_state)
-                    if col == 1:
-                        seed_torch(derive_seed(self.cfg.seed, "adapt", cid), self.world.device)
-                        self.model.zero_grad(set_to_none=True)  # no gradient left from the last training step
-                        self.model.train()
-                        ctx = ClientContext(self.algo, cid, self._to_device(self.data.client(cid)), rnd)
-                        with torch.enable_grad():
-                            self.algo.adapt(self.model, ctx)
-                    self.model.eval()
-                    with torch.no_grad():
-                        table[col, cid] = self._correct(x, y)
-                table[2, cid] = y.numel()
+                self.flat.load_(self.global_state)
+                seed_torch(derive_seed(self.cfg.seed, "adapt", cid), self.world.device)
+                self.model.zero_grad(set_to_none=True)  # no gradient left from the last training step
+                self.model.train()
+                data = self._to_device(self.data.client(cid))
+                ctx = ClientContext(self.algo, cid, data, rnd)
+                with torch.enable_grad():
+                    self.algo.adapt(self.model, ctx)
+                self.model.eval()
+                with torch.no_grad():
+                    table[1, cid] = self._correct(data.x_test, data.y_test)
         except Exception as e:
             failure = e
             table[-1, 0] = 1.0

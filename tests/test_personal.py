@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -234,6 +235,38 @@ def test_personalised_evaluation_equals_a_loop_over_clients(algo):
     for k, v in want.items():
         assert got[k] == pytest.approx(v, abs=1e-12), k
     assert got["local_test_accuracy_mean"] != pytest.approx(got["local_test_accuracy_global_model"])
+
+
+@pytest.mark.parametrize("eval_batch", ["7", "1000"])
+def test_the_global_model_on_every_local_split_is_the_loop_over_clients_on_any_rank_count(eval_batch, monkeypatch):
+    """The global model's pass over the clients' local test splits lays them end to end and cuts
+    eval batches that straddle clients (7 samples) or hold them all (1000); each rank takes a run
+    of whole batches. Per client and summed over 1, 2 or 3 ranks, the counts are a sample-by-sample
+    loop's (float64), and the reported accuracies are fedavg's (no client model of its own)."""
+    eng = engine(["--algo", "fedavg", *BASE, "--model", "mlp", "--cold-start-fraction", "0.25",
+                  "--eval-batch-size", eval_batch])
+    for t in range(2):
+        eng.run_round(t)
+    want = brute_force_local(eng)
+    got = eng.evaluate()
+    assert "local_test_accuracy_global_model" not in got  # no client has a model of its own
+    for k in ("local_test_accuracy", "local_test_accuracy_mean", "local_test_accuracy_std",
+              "local_test_accuracy_worst10"):
+        assert got[k] == pytest.approx(want[k], abs=1e-12), k
+    g = model_at(eng, eng.global_state.double()).eval()
+    loop = torch.zeros(2, eng.data.num_clients, dtype=torch.float64)
+    for cid in eng.cold_start:  # the held-out clients, as their end-of-run evaluation asks
+        x, y = eng.data.client_test_split(cid)
+        with torch.no_grad():
+            loop[0, cid] = sum(int(g(x[i:i + 1].double()).argmax()) == int(y[i]) for i in range(len(y)))
+        loop[1, cid] = len(y)
+    assert loop[1].sum() > 0
+    for size in (1, 2, 3):
+        summed = torch.zeros(2, eng.data.num_clients, dtype=torch.float64)
+        for rank in range(size):
+            monkeypatch.setattr(eng, "world", types.SimpleNamespace(rank=rank, size=size, device=torch.device("cpu")))
+            eng._add_global_model_hits(summed, 0, 1, eng.cold_start)
+        assert torch.equal(summed, loop), (size, summed, loop)
 
 
 @pytest.mark.parametrize("stop", ["after-all-rounds", "converged-early"])

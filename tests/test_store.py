@@ -81,6 +81,17 @@ def assert_same_clients(a, b):
         for field in ("x", "y", "x_test", "y_test"):
             ta, tb = getattr(ca, field), getattr(cb, field)
             assert ta.dtype == tb.dtype and torch.equal(ta, tb), (k, field)
+    # the local test splits, one client or several laid end to end (evaluation's batches)
+    sizes = np.array([int(a.client(k).y_test.shape[0]) for k in range(a.num_clients)])
+    assert np.array_equal(a.client_test_sizes(), sizes) and np.array_equal(b.client_test_sizes(), sizes)
+    last = a.num_clients - 1
+    for cids in ([], [0], [last, 0], [0, 1, 2], [0, 1, last], [1, last]):
+        want = [torch.cat([getattr(a.client(k), f) for k in cids]) if cids else None for f in ("x_test", "y_test")]
+        for d in (a, b):
+            got = d.client_test_rows(cids)
+            assert got[0].shape[0] == got[1].shape[0] == sizes[cids].sum(), (cids, d)
+            if cids:
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (cids, d)
     assert a.num_test() == b.num_test()
     for start, stop in ((0, a.num_test()), (3, 7), (a.num_test() - 2, a.num_test() + 5)):
         for ta, tb in zip(a.test_slice(start, stop), b.test_slice(start, stop)):
@@ -145,6 +156,15 @@ def test_store_reads_only_the_requested_client(tmp_path, monkeypatch):
     assert set(rows) == {"/train/x", "/train/y", "/client_test/x", "/client_test/y"}
     n_read = sum(stop - s for s, stop in rows.values())
     assert n_read == 2 * (c.num_train + c.num_test)
+
+    # consecutive clients' test rows are one read per run, no training row
+    reads.clear()
+    test_sizes = store.client_test_sizes()
+    x, _ = store.client_test_rows([1, 2, 3, 5])
+    off = np.concatenate([[0], np.cumsum(test_sizes)])
+    assert sorted((name, sel.start, sel.stop) for name, sel in reads) == sorted(
+        (f"/client_test/{f}", int(a), int(b)) for f in "xy" for a, b in ((off[1], off[4]), (off[5], off[6])))
+    assert x.shape[0] == test_sizes[[1, 2, 3, 5]].sum()
     store.close()
 
 

@@ -196,6 +196,24 @@ class FederatedData(ABC):
         c = self.client(cid)
         return c.x_test, c.y_test
 
+    def client_test_sizes(self) -> np.ndarray:
+        """Size of every client's local test split, shape (num_clients,), int64.
+
+        This default loads every split once; datasets that know the sizes override it."""
+        return np.array([int(self.client_test_split(c)[1].shape[0]) for c in range(self.num_clients)],
+                        dtype=np.int64)
+
+    def client_test_rows(self, cids: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The local test splits of ``cids`` one after another, in that order (CPU tensors).
+
+        Evaluation reads the global model's test batches over many small clients through this:
+        one read per batch instead of one per client."""
+        parts = [self.client_test_split(int(c)) for c in cids]
+        if not parts:
+            x, y = self.client_test_split(0)
+            return x[:0], y[:0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
     def close(self) -> None:
         """Release file handles (HDF5 stores)."""
 
@@ -286,6 +304,17 @@ class ArrayFederatedData(FederatedData):
         # index_select: many times faster than fancy indexing on uint8 images
         take = torch.index_select
         return ClientData(cid, take(self._x, 0, tr), take(self._y, 0, tr), take(self._x, 0, te), take(self._y, 0, te))
+
+    def client_test_split(self, cid: int):
+        return self.client_test_rows([cid])
+
+    def client_test_sizes(self) -> np.ndarray:
+        return np.array([len(i) for i in self._test_idx], dtype=np.int64)
+
+    def client_test_rows(self, cids: Sequence[int]):
+        rows = [self._test_idx[int(c)] for c in cids]
+        idx = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
+        return torch.index_select(self._x, 0, idx), torch.index_select(self._y, 0, idx)
 
     def num_test(self) -> int:
         return int(self._y_test.shape[0])

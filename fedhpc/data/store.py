@@ -389,9 +389,27 @@ class HDF5ClientStore(FederatedData):
         )
 
     def client_test_split(self, cid: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        c, d = int(self._ltest_off[cid]), int(self._ltest_off[cid + 1])  # only the test rows
-        return (torch.from_numpy(self._rows("client_test/x", c, d)),
-                torch.from_numpy(self._rows("client_test/y", c, d)).long())
+        if not 0 <= cid < self.num_clients:
+            raise DataError(f"client {cid} does not exist; the store has clients 0..{self.num_clients - 1}")
+        return self.client_test_rows([cid])
+
+    def client_test_sizes(self) -> np.ndarray:
+        return np.diff(self._ltest_off)
+
+    def client_test_rows(self, cids: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        # the clients' test rows lie in client order: a run of consecutive clients is one read
+        runs: List[Tuple[int, int]] = []
+        for c in (int(c) for c in cids):
+            a, b = int(self._ltest_off[c]), int(self._ltest_off[c + 1])
+            if runs and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b)
+            else:
+                runs.append((a, b))
+        if not runs:
+            runs = [(0, 0)]
+        xs = [self._rows("client_test/x", a, b) for a, b in runs]
+        ys = [self._rows("client_test/y", a, b) for a, b in runs]
+        return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)).long()
 
     def num_test(self) -> int:
         return self._num_test
