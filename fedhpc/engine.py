@@ -411,6 +411,7 @@ class Engine(Evaluation, RunLog, Resume):
     def _evaluate_round(self, metrics: Dict[str, float], last: bool) -> None:
         """Collective. Add the round's evaluation to ``metrics``; the run's last round gets the
         final one (the algorithm's final fine-tuning, cold-start clients, --final-adapt)."""
+        t0 = time.perf_counter()
         self.algo.final_evaluation = last  # a run that converges early ends here too
         metrics.update(self.evaluate())
         if last and self.cold_start:
@@ -418,6 +419,9 @@ class Engine(Evaluation, RunLog, Resume):
         if last and self.cfg.final_adapt:
             metrics.update(self._evaluate_final_adapted())
         self.algo.final_evaluation = False
+        # apart from round_seconds: at thousands of clients the evaluation over every client's
+        # split can cost more than the round it evaluates, and --eval-every is the remedy
+        metrics["eval_seconds"] = time.perf_counter() - t0
 
     def _warn(self, message: str) -> None:
         if self.is_main:

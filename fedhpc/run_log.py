@@ -16,6 +16,11 @@ from typing import Dict
 from .checkpoint import IDENTITY_FILE, OPTION_MAPPINGS, OPTIONS_AS_RUN, canonical_identity
 from .io import atomic_write_json, atomic_write_text, raise_disk_error
 
+#: metrics.jsonl's wall-clock measurements: the only values a rerun, a resumed run or another rank
+#: count does not reproduce (the simulated channel's times add the measured compute)
+WALL_CLOCK_METRICS = ("round_seconds", "round_seconds_total", "eval_seconds", "compute_seconds",
+                      "sim_round_seconds", "sim_seconds_total")
+
 
 class RunLog:
     """Output methods of the engine (see the module docstring)."""
@@ -89,6 +94,8 @@ class RunLog:
                 line += (f" | outages up {metrics['uplink_outages']} down {metrics['downlink_outages']}"
                          f" | sim {metrics['sim_seconds_total']:.2f} s")
             line += f" | {metrics['round_seconds']:.2f} s"
+            if "eval_seconds" in metrics:
+                line += f" + eval {metrics['eval_seconds']:.2f} s"
             print(line, flush=True)
 
     def _final_line(self, final: Dict[str, float]) -> str:

@@ -26,6 +26,7 @@ from conftest import REPO, clean_env, mpiexec
 from reference_steps import REFERENCES, load_family_references
 
 from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+from fedhpc.run_log import WALL_CLOCK_METRICS
 from fedhpc.world import World
 from standard_runner import run_case
 
@@ -81,8 +82,7 @@ def assert_states_equal(a, b, tol=0.0):
 
 def untimed(metrics):
     """A run's metrics without the ones that measure wall-clock time."""
-    drop = ("round_seconds", "round_seconds_total", "sim_round_seconds", "sim_seconds_total", "compute_seconds")
-    return {k: v for k, v in metrics.items() if k not in drop}
+    return {k: v for k, v in metrics.items() if k not in WALL_CLOCK_METRICS}
 
 
 # ----------------------------------------------------------------------------- (a) resume

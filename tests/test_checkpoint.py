@@ -15,6 +15,7 @@ from conftest import FAST, REPO, clean_env, final_weights, launch, max_diff, mpi
 from fedhpc import checkpoint as ckpt
 from fedhpc.client_state import ClientStateStore
 from fedhpc.errors import CheckpointError
+from fedhpc.run_log import WALL_CLOCK_METRICS
 from fedhpc.world import World
 
 ARGS = FAST[:]
@@ -27,7 +28,7 @@ def metrics(out):
 
 
 def strip_timing(recs):
-    return [{k: v for k, v in r.items() if k not in ("round_seconds", "round_seconds_total")} for r in recs]
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK_METRICS} for r in recs]
 
 
 @pytest.fixture(scope="module")

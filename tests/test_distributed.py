@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import BIN, FAST, REPO, clean_env, final_weights, free_port, launch, max_diff
+from fedhpc.run_log import WALL_CLOCK_METRICS
 
 # Bit for bit on the CPU (see test_algorithm_standard's test (b) for what that rests on).
 TOL = 0.0
@@ -149,8 +150,7 @@ def test_values_on_the_exact_sum_grid_add_up_the_same_for_any_rank_split():
 def _metrics(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    timing = ("round_seconds", "round_seconds_total", "compute_seconds", "sim_seconds", "sim_seconds_total")
-    return [{k: v for k, v in r.items() if k not in timing and not k.endswith("_s")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK_METRICS and not k.endswith("_s")} for r in rows]
 
 
 def test_federated_distillation_is_bit_for_bit_the_same_on_1_2_and_3_ranks(tmp_path):

@@ -13,7 +13,8 @@ import yaml
 
 from conftest import FAST, REPO, clean_env, launch
 
-REQUIRED = {"round", "test_accuracy", "test_loss", "train_loss", "bytes_up", "bytes_down", "round_seconds"}
+REQUIRED = {"round", "test_accuracy", "test_loss", "train_loss", "bytes_up", "bytes_down", "round_seconds",
+            "eval_seconds"}
 
 
 def test_run_outputs(tmp_path):
@@ -25,7 +26,7 @@ def test_run_outputs(tmp_path):
     assert [r["round"] for r in recs] == [2, 4, 5], "evaluated rounds only, and always the last"
     for r in recs:
         assert REQUIRED <= r.keys()
-        assert 0 <= r["test_accuracy"] <= 1 and r["round_seconds"] > 0
+        assert 0 <= r["test_accuracy"] <= 1 and r["round_seconds"] > 0 and r["eval_seconds"] > 0
     # bytes: 4 clients per round each download and upload the whole model (float32)
     sd = torch.load(os.path.join(out, "final_model.pt"))
     nbytes = 4 * sum(v.numel() for v in sd.values())
