@@ -413,7 +413,7 @@ class Engine(Evaluation, RunLog, Resume):
         final one (the algorithm's final fine-tuning, cold-start clients, --final-adapt)."""
         t0 = time.perf_counter()
         self.algo.final_evaluation = last  # a run that converges early ends here too
-        metrics.update(self.evaluate())
+        metrics.update(self.evaluate(metrics["round"]))
         if last and self.cold_start:
             metrics.update(self._evaluate_cold_start(metrics))
         if last and self.cfg.final_adapt:

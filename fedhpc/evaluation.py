@@ -12,8 +12,9 @@ set, or the clients' local splits laid end to end), a client's own model on the 
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 
 from .algorithms import ClientContext, RoundInfo
@@ -24,13 +25,19 @@ class Evaluation:
     """Evaluation methods of the engine (see the module docstring)."""
 
     @torch.no_grad()
-    def evaluate(self) -> Dict[str, float]:
+    def evaluate(self, round_number: Optional[int] = None) -> Dict[str, float]:
         """Every eval round: the global model on the global test set; with local splits, the
         model each client would use on its own split; with a personal or channel-affected
-        model, the reference device's model on the global test set (Mix2FLD's Fig. 2)."""
+        model, the reference device's model on the global test set (Mix2FLD's Fig. 2).
+
+        ``round_number`` (1-based) draws the clients of a sampled local evaluation
+        (--local-eval-clients); without it every client is evaluated."""
         metrics = self._evaluate_global(self.global_state)
         if self.cfg.local_eval and self.cfg.client_test_fraction > 0:
-            metrics.update(self._evaluate_local())
+            clients = self._local_eval_clients(round_number)
+            metrics.update(self._evaluate_local(clients))
+            if len(clients) < len(self.training_clients):
+                metrics["local_eval_clients"] = len(clients)
         if self.uses_store:
             state = self._holder_broadcast(self.reference_device)
             metrics["reference_device_accuracy"] = (
@@ -160,22 +167,34 @@ class Evaluation:
             return self.client_state.location.get(cid, cid % self.world.size)
         return cid % self.world.size
 
-    def _evaluate_local(self) -> Dict[str, float]:
+    def _local_eval_clients(self, round_number: Optional[int]) -> List[int]:
+        """Whom the local evaluation covers: every training client; with --local-eval-clients N,
+        at an evaluation that is not the run's final one, N of them drawn by (seed, round), the
+        same on any rank count and on resume (the stream is the evaluation's own: no training
+        draw moves)."""
+        pool, n = self.training_clients, self.cfg.local_eval_clients
+        if round_number is None or n <= 0 or n >= len(pool) or self.algo.final_evaluation:
+            return pool
+        rng = np.random.default_rng([self.cfg.seed, 0x10CA1E, round_number])
+        return [pool[i] for i in sorted(rng.choice(len(pool), size=n, replace=False).tolist())]
+
+    def _evaluate_local(self, clients: Optional[List[int]] = None) -> Dict[str, float]:
         """Every client's own model (``algo.client_model``) on its own local test split, over
-        all clients (not only this round's), sharded over ranks; also the global model on the
-        same splits when some client's model differs from it, and the spread across clients."""
+        all training clients (not only this round's) or the given ones, sharded over ranks; also
+        the global model on the same splits when some client's model differs from it, and the
+        spread across clients."""
+        clients = self.training_clients if clients is None else clients  # cold-start ones: at the end
         n = self.data.num_clients
         dev = self.world.device
         # per client: correct (own model), count, correct (global model), has own model; row 4
         # counts failed ranks
         table = torch.zeros(5, n, dtype=torch.float64, device=dev)
-        # cold-start clients are evaluated once, at the end
-        self._add_global_model_hits(table, 2, 1, self.training_clients)
+        self._add_global_model_hits(table, 2, 1, clients)
         sizes = self._client_test_sizes()
         self.model.eval()
         failure: Optional[Exception] = None  # one rank's failure stops every rank: see _summed_over_ranks
         try:
-            for cid in self.training_clients:
+            for cid in clients:
                 if self._evaluator_rank(cid) != self.world.rank or sizes[cid] == 0:
                     continue
                 own = self.algo.client_model(cid)

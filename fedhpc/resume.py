@@ -120,7 +120,7 @@ class Resume:
                 return None, None
             record = dict(saved["round_metrics"])
             if self.start_round % self.cfg.eval_every == 0:
-                record.update(self.evaluate())
+                self._evaluate_round(record, last=False)
             record.pop("stop", None)
             return record, None
         if saved["final_record"] is not None:

@@ -87,6 +87,8 @@ class RunLog:
             if "local_test_accuracy_mean" in metrics:
                 # the mean over clients is what personalised papers report (pMixFed's tables)
                 line += f" | local_acc_mean {metrics['local_test_accuracy_mean']:.4f}"
+                if "local_eval_clients" in metrics:
+                    line += f" ({metrics['local_eval_clients']} clients)"
             if "reference_device_accuracy" in metrics:
                 line += f" | ref_dev_acc {metrics['reference_device_accuracy']:.4f}"
             line += f" | up {metrics['bytes_up'] / 2**20:.2f} MiB | down {metrics['bytes_down'] / 2**20:.2f} MiB"

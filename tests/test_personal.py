@@ -20,6 +20,7 @@ from fedhpc.engine import Engine
 from fedhpc.errors import ConfigError
 from fedhpc.flat import FlatModel
 from fedhpc.models import build_model
+from fedhpc.run_log import WALL_CLOCK_METRICS
 from fedhpc.world import World
 from reference_steps import autograd, batch_indices
 from reference_steps_pmixfed import model_at
@@ -130,7 +131,7 @@ def test_fedbabu_fine_tunes_every_client_once_at_the_final_evaluation(stop, monk
     original, evaluate = FedBABU.fine_tune, eng.evaluate
     monkeypatch.setattr(FedBABU, "fine_tune", lambda self, model, ctx: (tuned.append((len(evaluated), ctx.cid)),
                                                                       original(self, model, ctx))[1])
-    monkeypatch.setattr(eng, "evaluate", lambda: (evaluated.append(1), evaluate())[1])
+    monkeypatch.setattr(eng, "evaluate", lambda *round_number: (evaluated.append(1), evaluate(*round_number))[1])
     final = eng.run()
     ends = 2 if early else 4          # the relative change needs two rounds, and 1e9 is then met
     assert final["round"] == ends and len(evaluated) == ends
@@ -200,10 +201,10 @@ def test_per_fedavg_hf_takes_both_finite_differences_with_the_same_dropout_masks
 
 # ----------------------------------------------------------------------------- personalised evaluation
 
-def brute_force_local(eng):
+def brute_force_local(eng, clients=None):
     """Each trained client's own model (or the global one) on its own split, by a plain loop."""
     per, pooled, glob = {}, [0, 0], 0
-    for cid in eng.training_clients:
+    for cid in eng.training_clients if clients is None else clients:
         x, y = eng.data.client_test_split(cid)
         if len(y) == 0:
             continue
@@ -267,6 +268,51 @@ def test_the_global_model_on_every_local_split_is_the_loop_over_clients_on_any_r
             monkeypatch.setattr(eng, "world", types.SimpleNamespace(rank=rank, size=size, device=torch.device("cpu")))
             eng._add_global_model_hits(summed, 0, 1, eng.cold_start)
         assert torch.equal(summed, loop), (size, summed, loop)
+
+
+def test_a_sampled_local_evaluation_covers_its_seeded_clients_and_the_last_one_every_client(tmp_path):
+    """--local-eval-clients 3: each non-final evaluation covers 3 of the 6 training clients,
+    drawn by (seed, round) and equal to a loop over them; the final one covers all, and the run
+    trains, ends and resumes exactly as without sampling."""
+    argv = ["--algo", "ditto", *BASE, "--model", "mlp", "--cold-start-fraction", "0.25", "--rounds", "3"]
+    eng = engine(argv + ["--local-eval-clients", "3"])
+    samples = [eng._local_eval_clients(r) for r in (1, 2, 3)]
+    for s in samples:
+        assert len(s) == 3 and s == sorted(s) and set(s) <= set(eng.training_clients)
+    assert len({tuple(s) for s in samples}) > 1, "the sample must move with the round"
+    other_seed = engine(argv + ["--local-eval-clients", "3", "--seed", "3"])
+    assert [other_seed._local_eval_clients(r) for r in (1, 2, 3)] != samples, "the seed must fix the sample"
+    eng.run_round(0)
+    got = eng.evaluate(1)
+    want = brute_force_local(eng, samples[0])
+    assert got["local_eval_clients"] == 3
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, abs=1e-12), k
+    eng.algo.final_evaluation = True                    # the run's last evaluation: every client
+    assert eng._local_eval_clients(1) == eng.training_clients and "local_eval_clients" not in eng.evaluate(1)
+    eng.algo.final_evaluation = False
+
+    def rows(out):
+        return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK_METRICS}
+                for line in open(os.path.join(out, "metrics.jsonl"))]
+
+    runs = {}
+    for name, extra in (("all", []), ("sampled", ["--local-eval-clients", "3"])):
+        out = str(tmp_path / name)
+        e = engine(argv + extra + ["--out", out])
+        e.run()
+        runs[name] = (e.global_state.clone(), rows(out))
+    assert torch.equal(runs["all"][0], runs["sampled"][0])
+    (all_rows, sampled_rows) = runs["all"][1], runs["sampled"][1]
+    assert [r.get("local_eval_clients") for r in sampled_rows] == [3, 3, None]
+    assert sampled_rows[-1] == all_rows[-1]
+    assert sampled_rows[0]["local_test_accuracy_mean"] != all_rows[0]["local_test_accuracy_mean"] or \
+        sampled_rows[1]["local_test_accuracy_mean"] != all_rows[1]["local_test_accuracy_mean"]
+    # interrupted after round 2 (checkpointed every round) and resumed: the same rows
+    out = str(tmp_path / "resumed")
+    engine(argv + ["--local-eval-clients", "3", "--out", out, "--rounds", "2", "--checkpoint-every", "1"]).run()
+    engine(argv + ["--local-eval-clients", "3", "--out", out, "--resume"]).run()
+    assert rows(out) == sampled_rows
 
 
 @pytest.mark.parametrize("stop", ["after-all-rounds", "converged-early"])

@@ -169,7 +169,9 @@ def test_local_sweep_skips_finished_resumes_interrupted_and_records_failures(tmp
     assert not (tmp_path / "sweep" / "logs" / f"{p0.id}.log").exists()
     # interrupted point resumed from its checkpoint: round 1 is the same record (timings included)
     recs1 = [json.loads(l) for l in (runs / p1.id / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in recs1] == [1, 2, 3] and recs1[0] == first1
+    # round 1 was the 1-round run's last; now an ordinary one, evaluated again (its own eval_seconds)
+    assert [r["round"] for r in recs1] == [1, 2, 3] and recs1[0]["eval_seconds"] > 0
+    assert {**recs1[0], "eval_seconds": None} == {**first1, "eval_seconds": None}
     assert "resumed from" in (tmp_path / "sweep" / "logs" / f"{p1.id}.log").read_text()
     for p in (p0, p1, p2):
         assert run_state(str(runs / p.id), 3).status == "finished"
