@@ -659,7 +659,7 @@ def test_a_finished_run_dealt_under_older_partition_rules_is_refused(tmp_path, c
         assert (f"  point 0 (seed-0), {runs / p0.id}: partition_rules: the run's partition 'classes:2' was dealt "
                 f"under partition rules {old}, this point's under rules {partition.PARTITION_RULES}, which may deal "
                 f"another split") in err
-        assert f"delete the folder of a run dealt under other partition rules to run its point again" in err
+        assert "delete the folder of a run dealt under other partition rules to run its point again" in err
         assert "--out DIR" in err and "restore the setting" not in err and p1.id not in err
 
     refused()
