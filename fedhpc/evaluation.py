@@ -189,11 +189,11 @@ class Evaluation:
         # per client: correct (own model), count, correct (global model), has own model; row 4
         # counts failed ranks
         table = torch.zeros(5, n, dtype=torch.float64, device=dev)
-        self._add_global_model_hits(table, 2, 1, clients)
         sizes = self._client_test_sizes()
-        self.model.eval()
         failure: Optional[Exception] = None  # one rank's failure stops every rank: see _summed_over_ranks
         try:
+            self._add_global_model_hits(table, 2, 1, clients)  # a read failing here is one rank's too
+            self.model.eval()
             for cid in clients:
                 if self._evaluator_rank(cid) != self.world.rank or sizes[cid] == 0:
                     continue
@@ -233,10 +233,10 @@ class Evaluation:
         table = torch.zeros(4, n, dtype=torch.float64, device=dev)  # correct before, after, count; failed ranks
         end = self.stop_round
         rnd = RoundInfo(end, [], [], self.cfg.lr * self.cfg.lr_decay ** end)
-        self._add_global_model_hits(table, 0, 2, clients)
         sizes = self._client_test_sizes()
         failure: Optional[Exception] = None  # one rank's failure stops every rank: see _summed_over_ranks
         try:
+            self._add_global_model_hits(table, 0, 2, clients)
             for cid in clients:
                 if self._evaluator_rank(cid) != self.world.rank or sizes[cid] == 0:
                     continue

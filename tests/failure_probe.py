@@ -10,6 +10,9 @@ Usage:
   python tests/failure_probe.py evaluation OUT [launcher flags...]
       the same with a FedAvg whose client_model (the model a client evaluates on its local test
       split) fails on rank 1 alone.
+  python tests/failure_probe.py local_split OUT [launcher flags...]
+      FedAvg on a digits whose clients' local test splits cannot be read on rank 1 (the global
+      model's pass over every client's split, which each rank reads a run of).
   python tests/failure_probe.py reference OUT [launcher flags...]
       the same with a FedAvg keeping client state whose client_model fails wherever it runs:
       with --no-local-eval only the rank holding the reference device runs it.
@@ -75,6 +78,21 @@ def digits_missing_on_rank_1(cfg, options=None):
     return build_digits(cfg, options)
 
 
+@register_dataset("digits_local_splits_unreadable_on_rank_1", DigitsOptions,
+                  "digits, whose clients' local test splits rank 1 cannot read")
+def digits_local_splits_unreadable_on_rank_1(cfg, options=None):
+    data = build_digits(cfg, options)
+    read = data.client_test_rows
+
+    def client_test_rows(cids):
+        if on_rank_1():
+            raise DataError("client_test/x of the store is truncated; prepare the dataset again")
+        return read(cids)
+
+    data.client_test_rows = client_test_rows
+    return data
+
+
 class ShardMissing(FedHPCError):
     """An error class built from its own arguments, not from a message."""
 
@@ -131,7 +149,8 @@ if __name__ == "__main__":
             "reference": "reference_model_fails"}.get(sys.argv[1])
     if algo is not None:
         exit_now(main(["--algo", algo, "--out", sys.argv[2], *sys.argv[3:]]))
-    if sys.argv[1] == "dataset":
-        exit_now(main(["--dataset", "digits_missing_on_rank_1", "--out", sys.argv[2], *sys.argv[3:]]))
+    dataset = {"dataset": "digits_missing_on_rank_1", "local_split": "digits_local_splits_unreadable_on_rank_1"}
+    if sys.argv[1] in dataset:
+        exit_now(main(["--dataset", dataset[sys.argv[1]], "--out", sys.argv[2], *sys.argv[3:]]))
     server(sys.argv[2], sys.argv[3])
     exit_now(0)

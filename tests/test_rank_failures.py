@@ -61,6 +61,14 @@ def test_a_client_model_failing_on_one_rank_at_evaluation_is_reported_by_rank_0(
            "evaluation]" in error
 
 
+def test_a_local_split_unreadable_on_one_rank_at_evaluation_is_reported_by_rank_0(tmp_path):
+    """The global model's pass over the clients' splits runs outside the algorithm's code, but a
+    read there can fail on one rank alone just the same."""
+    error = launcher_error("local_split", str(tmp_path / "run"))
+    assert "client_test/x of the store is truncated; prepare the dataset again [raised on rank 1, the " \
+           "clients' own models' evaluation]" in error
+
+
 @pytest.mark.parametrize("kind, rank0_says", [
     ("config", "ConfigError: the teacher outputs have 9 labels for a 10-label model; gather them again "
                "[raised on rank 1, server training]"),
