@@ -441,3 +441,21 @@ def test_a_split_dealt_under_other_partition_rules_is_its_own_group(sweep_dir, t
     assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
     assert [g["n"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [1]
     assert "identity.json" in capsys.readouterr().err
+
+
+def test_best_local_accuracy_skips_the_rounds_that_evaluated_a_sample_of_clients():
+    """--local-eval-clients: a round's local accuracy over a sample of clients is an estimate, and
+    the maximum over noisy estimates is biased up; best takes the rounds that covered every client."""
+    from fedhpc.report.runs import Group, Run
+    from fedhpc.report.summary import best_stats, metric_names
+
+    records = [{"round": 1, "test_accuracy": 0.5, "local_test_accuracy": 0.6, "local_test_accuracy_mean": 0.61},
+               {"round": 2, "test_accuracy": 0.7, "local_test_accuracy": 0.9, "local_test_accuracy_mean": 0.95,
+                "local_eval_clients": 3},
+               {"round": 3, "test_accuracy": 0.6, "local_test_accuracy": 0.8, "local_test_accuracy_mean": 0.81}]
+    group = Group(settings={}, runs=[Run(path="r", config=None, records=records, state=None)])
+    names = metric_names([group])
+    assert "local_eval_clients" not in names  # bookkeeping, like the round's client count
+    best = best_stats(group, names)
+    assert best["test_accuracy"].values == [0.7]  # the global test set: every round counts
+    assert best["local_test_accuracy"].values == [0.8]

@@ -3,7 +3,9 @@
 Conventions (the papers differ; these are the readings chosen):
   * final = the metric at the run's last evaluated round (= the configured last round);
     best = the highest value over the evaluated rounds (accuracies only; ``best`` picks a
-    round with the test set, as the papers that report it do);
+    round with the test set, as the papers that report it do); the clients' local accuracies
+    only over rounds that evaluated every client, not a --local-eval-clients sample (a maximum
+    over noisy samples is biased up);
   * std is the sample standard deviation over seeds (ddof = 1); with one seed it is undefined
     and shown as such, never as 0;
   * time to target: the first evaluated round whose test accuracy reaches ``target``, and the
@@ -29,7 +31,7 @@ KNOWN_METRICS = (
     "train_loss", "bytes_up_total", "bytes_down_total", "sim_seconds_total",
 )
 # Bookkeeping, not results.
-SKIPPED = ("round", "clients")
+SKIPPED = ("round", "clients", "local_eval_clients")
 
 
 @dataclass
@@ -107,8 +109,10 @@ def best_stats(group: Group, names: List[str]) -> Dict[str, Stat]:
         if not m.endswith("accuracy"):  # not their spreads (local_test_accuracy_std) or tails
             continue
         vals = []
+        sampled_out = m.startswith("local_test_accuracy")  # a record's clients' accuracies over a sample
         for r in group.runs:
-            seen = [float(rec[m]) for rec in r.records if _numeric(rec.get(m))]
+            seen = [float(rec[m]) for rec in r.records
+                    if _numeric(rec.get(m)) and not (sampled_out and "local_eval_clients" in rec)]
             if seen:
                 vals.append(max(seen))
         if vals:
