@@ -313,6 +313,8 @@ def test_a_sampled_local_evaluation_covers_its_seeded_clients_and_the_last_one_e
     engine(argv + ["--local-eval-clients", "3", "--out", out, "--rounds", "2", "--checkpoint-every", "1"]).run()
     engine(argv + ["--local-eval-clients", "3", "--out", out, "--resume"]).run()
     assert rows(out) == sampled_rows
+    with pytest.raises(ConfigError, match=r"--local-eval-clients must be >= 0 \(0 = every client\), got -1"):
+        parse_args(argv + ["--local-eval-clients", "-1"])
 
 
 @pytest.mark.parametrize("stop", ["after-all-rounds", "converged-early"])
