@@ -5,8 +5,9 @@
 Each configuration draws an algorithm, a model with options it takes, a partition, client counts,
 batch size, epochs, rounds and a handful of run features (channel, cold-start clients,
 --final-adapt, batched clients, adam or momentum, eval cadence, lr decay, --stop-epsilon,
-per-label accuracy, saved client models, checkpoints every round, a sampled local evaluation); a
-quarter run on 2 MPI ranks. (A feature added to the list moves the draws of every seed after it.)
+per-label accuracy, saved client models, checkpoints every round, a sampled local evaluation,
+eval batches of 7 samples, which straddle clients and split over ranks); a quarter run on 2 MPI
+ranks. (A feature added to the list moves the draws of every seed after it.)
 Every run must end trained (exit 0), or stopped by one `error:` line: refused (exit 2) or
 diverged (exit 3, a NaN loss, which random learning settings can give). A traceback, another exit
 code (4: a rank died) or a 10-minute timeout is a finding, printed with its command line and the
@@ -75,7 +76,7 @@ def draw(rng: random.Random, algos: List[str]) -> List[str]:
         (0.2, ["--eval-every", "2"]), (0.15, ["--lr-decay", "0.9"]), (0.15, ["--stop-epsilon", "0.5"]),
         (0.15, ["--per-label-accuracy"]), (0.1, ["--save-client-models", "1"]), (0.2, ["--checkpoint-every", "1"]),
         (0.3, rng.choice([["--optimizer", "adam"], ["--momentum", "0.9", "--weight-decay", "1e-4", "--grad-clip", "1"]])),
-        (0.2, ["--local-eval-clients", "3"]),
+        (0.2, ["--local-eval-clients", "3"]), (0.2, ["--eval-batch-size", "7"]),
     ]
     for chance, flags in features:
         if rng.random() < chance:

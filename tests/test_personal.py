@@ -435,7 +435,8 @@ def test_personal_state_evaluation_and_cold_start_on_two_ranks(tmp_path):
     --final-adapt: the metrics of 1 and 2 MPI ranks agree (state migrates between ranks every round)."""
     args = ["--algo", "pmixfed", *BASE, "--model", "cnn", "--model-opt", "width=4", "--model-opt", "hidden=16",
             "--model-opt", "norm=batch", "--rounds", "3", "--clients-per-round", "4",
-            "--cold-start-fraction", "0.25", "--finetune-epochs", "1", "--final-adapt"]
+            "--cold-start-fraction", "0.25", "--finetune-epochs", "1", "--final-adapt",
+            "--eval-batch-size", "7"]  # the global model's eval batches straddle clients and ranks
     rows = {}
     for ranks in (1, 2):
         out = tmp_path / f"r{ranks}"
