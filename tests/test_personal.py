@@ -270,6 +270,39 @@ def test_the_global_model_on_every_local_split_is_the_loop_over_clients_on_any_r
         assert torch.equal(summed, loop), (size, summed, loop)
 
 
+@pytest.mark.parametrize("algo", ["fedavg", "ditto"])
+def test_next_character_local_evaluation_counts_every_position_of_every_client(algo, tmp_path):
+    """Shakespeare (targets: one character per sequence position): a client's local accuracy is
+    over all positions of its sequences, for the global model's pass over the splits laid end to
+    end (eval batches of 3 sequences straddle clients) and for own models, as a per-client loop."""
+    from test_formats import write_tff_shakespeare
+    write_tff_shakespeare(str(tmp_path / "shakespeare"))
+    eng = engine(["--algo", algo, "--dataset", "shakespeare", "--data-dir", str(tmp_path), "--model", "lstm_char",
+                  "--model-opt", "embed_dim=4", "--model-opt", "hidden=8", "--model-opt", "num_layers=1",
+                  "--data-opt", "seq_len=8", "--partition", "natural", "--num-clients", "3",
+                  "--clients-per-round", "3", "--rounds", "1", "--batch-size", "4", "--lr", "0.5",
+                  "--client-test-fraction", "0.4", "--eval-batch-size", "3", "--threads", "1", "--quiet",
+                  "--no-tensorboard"])
+    eng.run_round(0)
+    got = eng.evaluate()
+    hits, counts, accs = 0, 0, []
+    for cid in eng.training_clients:
+        x, y = eng.data.client_test_split(cid)
+        if len(y) == 0:
+            continue
+        own = eng.algo.client_model(cid)
+        eng.flat.load_(eng.global_state if own is None else own)
+        eng.model.eval()
+        with torch.no_grad():
+            right = sum(int((eng.model(eng.data.transform(x[i:i + 1], False, None)).argmax(-1) == y[i:i + 1]).sum())
+                        for i in range(len(y)))
+        hits, counts = hits + right, counts + y.numel()
+        accs.append(right / y.numel())
+    assert y.shape[1] == 8 and len(accs) >= 2
+    assert got["local_test_accuracy"] == pytest.approx(hits / counts, abs=1e-12)
+    assert got["local_test_accuracy_mean"] == pytest.approx(sum(accs) / len(accs), abs=1e-12)
+
+
 def test_a_sampled_local_evaluation_covers_its_seeded_clients_and_the_last_one_every_client(tmp_path):
     """--local-eval-clients 3: each non-final evaluation covers 3 of the 6 training clients,
     drawn by (seed, round) and equal to a loop over them; the final one covers all, and the run
