@@ -168,8 +168,10 @@ class GlobalMix(Algorithm):
         else:
             n = x.shape[0] if self.options.select == "sample" else 1
             pick = partners[torch.randint(len(partners), (n,), generator=ctx.extra["select_gen"]).to(partners.device)]
-            xj = self.pool["x"][pick]
-            xj = self.space.lift(model, xj if self.space.text else self.data.transform(xj, False, None).to(xin.dtype))
+            # the pool holds inputs as stored (uint8 pixels, uint8 character ids): the dataset's
+            # evaluation transform makes them what the local batch is (for text, int64 ids to embed)
+            xj = self.data.transform(self.pool["x"][pick], False, None)
+            xj = self.space.lift(model, xj if self.space.text else xj.to(xin.dtype))
             yj = self.space.labels(self.pool["y"][pick], ydtype)
             loss = mixup_loss(self.space.f(model), xin, yin, xj, yj, lam)
         return add_proximal_term(loss, self, model, self.options.prox_mu, ctx)
