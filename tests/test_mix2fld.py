@@ -315,3 +315,56 @@ def test_seed_delivery_channel_resumed_after_round1_equals_uninterrupted(tmp_pat
 def test_seed_delivery_must_be_always_or_channel():
     with pytest.raises(ConfigError, match="--seed-delivery must be one of always, channel"):
         parse_args(["--algo", "mix2fld", *ARGS, "--seed-delivery", "sometimes"])
+
+
+# ----------------------------------------------------------------------------- next-character data
+
+def test_fd_tables_and_distillation_on_next_character_data_are_loops_over_positions():
+    """Text (Shakespeare): every position of a sequence is one output of the label it predicts
+    (Eq. 2), and Eq. 3's psi is averaged over positions, as the task loss is."""
+    from fedhpc.exchanges import label_outputs
+
+    g = torch.Generator().manual_seed(0)
+    B, T, C = 3, 5, 6
+    logits = torch.randn(B, T, C, dtype=torch.float64, generator=g)
+    y = torch.randint(0, C - 1, (B, T), generator=g)           # label C-1 never occurs
+    outs = label_outputs.LabelOutputs(C, "cpu")
+    outs.add(logits, y)
+    table, present = outs.table()
+    sums, counts = torch.zeros(C, C, dtype=torch.float64), torch.zeros(C, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            sums[y[b, t]] += torch.softmax(logits[b, t], -1)
+            counts[y[b, t]] += 1
+    for n in range(C):
+        want = sums[n] / counts[n] if counts[n] else torch.zeros(C, dtype=torch.float64)
+        assert torch.allclose(table[n], want, rtol=0, atol=1e-15) and present[n] == (counts[n] > 0)
+    teacher = torch.softmax(torch.randn(C, C, dtype=torch.float64, generator=g), -1)
+    mask = torch.ones(C, dtype=torch.float64)
+    mask[2] = 0                                                # a label without a global output
+    got = label_outputs.distillation_loss(logits, teacher[y], mask[y])
+    psi = [-(teacher[y[b, t]] * torch.log_softmax(logits[b, t], -1)).sum() * mask[y[b, t]]
+           for b in range(B) for t in range(T)]
+    assert float(got) == pytest.approx(float(sum(psi) / (B * T)), rel=1e-12)
+
+
+def test_fd_trains_on_shakespeare_and_the_seed_methods_refuse_it(tmp_path):
+    """FD distils per-character outputs on next-character data; FLD, MixFLD and Mix2FLD, whose
+    seeds carry one label each, are refused when the engine is built, naming FD."""
+    from test_formats import write_tff_shakespeare
+    write_tff_shakespeare(str(tmp_path / "shakespeare"))
+    text = ["--dataset", "shakespeare", "--data-dir", str(tmp_path), "--model", "lstm_char", "--model-opt",
+            "embed_dim=4", "--model-opt", "hidden=8", "--model-opt", "num_layers=1", "--data-opt", "seq_len=8",
+            "--partition", "natural", "--num-clients", "3", "--clients-per-round", "3", "--batch-size", "4",
+            "--threads", "1", "--quiet", "--no-tensorboard"]
+    eng = Engine(*parse_args(["--algo", "fd", *text, "--rounds", "2", "--beta", "0.5"]), World(threads=1))
+    for t in range(2):
+        eng.run_round(t)
+    table, has = eng.algo.teacher
+    assert table.shape == (80, 80) and 1 < int(has.sum()) < 80          # the characters the roles use
+    assert torch.allclose(table[has > 0].sum(1), torch.ones(int(has.sum()), dtype=table.dtype))
+    assert math.isfinite(eng.evaluate()["local_test_accuracy"])
+    for algo in ("fld", "mixfld", "mix2fld"):
+        with pytest.raises(ConfigError, match=rf"--algo {algo} uploads seed samples that carry one label each .* "
+                                              r"shakespeare is next_char data.* Use --algo fd"):
+            Engine(*parse_args(["--algo", algo, *text]), World(threads=1))

@@ -125,6 +125,14 @@ class FLD(Algorithm):
 
     def setup(self):
         self.options = self.options or self.Options()
+        if self.data.task != "classification":
+            # found by running every algorithm on Shakespeare: the seeds' check then said "13 inputs
+            # but 104 labels" in round 1, naming neither the cause nor a fix
+            raise ConfigError(
+                f"--algo {self.cfg.algo} uploads seed samples that carry one label each (raw or mixed inputs, "
+                f"Mix2FLD Eq. 6) for the server to train on; {self.data.name} is {self.data.task} data, with a "
+                f"label at every position of a sequence. Use --algo fd (per-label outputs, no seeds), or a "
+                f"classification dataset")
         self.num_classes = self.data.num_classes
         self.trainer = ServerTrainer(self.comm, self.model, self.flat)
         self.teacher = None

@@ -39,8 +39,10 @@ class LabelOutputs:
 
     @torch.no_grad()
     def add(self, logits: torch.Tensor, y: torch.Tensor) -> None:
-        """Add this iteration's softmax outputs of a batch, by ground-truth label."""
-        probs = F.softmax(logits.detach(), dim=-1).to(self.sums.dtype)
+        """Add this iteration's softmax outputs of a batch, by ground-truth label; for next-character
+        prediction ((B, T, C) logits, (B, T) labels) every position is an output of its label."""
+        probs = F.softmax(logits.detach(), dim=-1).to(self.sums.dtype).reshape(-1, self.num_classes)
+        y = y.reshape(-1)
         self.sums.index_add_(0, y, probs)
         self.counts.index_add_(0, y, torch.ones_like(y, dtype=self.sums.dtype))
 
@@ -82,6 +84,7 @@ def distillation_loss(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.T
     Divided by the batch size, not by the samples that have a teacher: Eq. 3 adds beta psi to
     each sample's loss and the batch loss is their mean (as FLD's Eq. 5 on the server), so a
     batch where few labels have a global output is not distilled harder (dividing by the 4 of
-    32 that had one made beta effectively 8 times larger)."""
+    32 that had one made beta effectively 8 times larger). For next-character prediction every
+    position is a sample: the mean is over positions, as the task loss's is."""
     per_sample = -(teacher.to(logits.dtype) * F.log_softmax(logits, -1)).sum(-1)
-    return (per_sample * mask.to(logits.dtype)).sum() / max(len(per_sample), 1)
+    return (per_sample * mask.to(logits.dtype)).sum() / max(per_sample.numel(), 1)
