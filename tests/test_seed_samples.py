@@ -286,7 +286,7 @@ def test_inverse_mixup_never_combines_seeds_of_one_device():
     both = SeedSet.cat([a, b])
     both.owner[:] = 0
     both.index = torch.arange(len(both))
-    with pytest.raises(DataError, match="no valid inverse-mixup combination"):
+    with pytest.raises(DataError, match="no valid inverse-mixup combination.* Raise --seeds-per-device"):
         inverse_mixup(both, 2, 2, gen("x"))
     both.owner[6:] = 1                                            # now two devices: it works
     out = inverse_mixup(both, 12, 2, gen("x"))
@@ -295,7 +295,8 @@ def test_inverse_mixup_never_combines_seeds_of_one_device():
 
 def test_inverse_mixup_errors():
     col = collect_seeds(OneRank(), make_devices(4, 3, 0.2))
-    with pytest.raises(DataError, match="distinct inverse-mixup combinations"):
+    with pytest.raises(DataError, match=r"distinct inverse-mixup combinations .* lower --inverse-per-device "
+                                         r"\(these seeds give \d+ per device\) or upload more seeds \(--seeds-per-device"):
         inverse_mixup(col, 10_000, 2, gen("x"))
     with pytest.raises(ConfigError, match="N = 3"):
         inverse_mixup(col, 4, 3, gen("x"))
