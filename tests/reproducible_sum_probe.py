@@ -6,13 +6,9 @@ t % size; the ranks align, sum-all-reduce and write OUT_DIR/rank<r>.pt. Every fi
 hold the single-process bits, which a plain float64 sum in rank order does not.
 """
 
-import os
-import sys
-
 import torch
 
 from fedhpc.reproducible_sum import ReproducibleSum
-from fedhpc.world import World
 
 TERMS, WIDTH = 12, 4000
 
@@ -25,24 +21,20 @@ def terms():
     return t
 
 
-def main():
-    out = sys.argv[1]
-    world = World("cpu", threads=1)
-    try:
-        t = terms()
-        acc = ReproducibleSum(WIDTH, TERMS)
-        plain = torch.zeros(WIDTH, dtype=torch.float64)
-        for i in range(world.rank, TERMS, world.size):
-            acc.add_(t[i])
-            plain += t[i]
-        acc.align_(world)
-        world.all_reduce_sum_(acc.data)
-        world.all_reduce_sum_(plain)
-        os.makedirs(out, exist_ok=True)
-        torch.save({"size": world.size, "sum": acc.sum(), "plain": plain}, os.path.join(out, f"rank{world.rank}.pt"))
-    finally:
-        world.close()
+def summed(world):
+    t = terms()
+    acc = ReproducibleSum(WIDTH, TERMS)
+    plain = torch.zeros(WIDTH, dtype=torch.float64)
+    for i in range(world.rank, TERMS, world.size):
+        acc.add_(t[i])
+        plain += t[i]
+    acc.align_(world)
+    world.all_reduce_sum_(acc.data)
+    world.all_reduce_sum_(plain)
+    return {"size": world.size, "sum": acc.sum(), "plain": plain}
 
 
 if __name__ == "__main__":
-    main()
+    import rank_probe
+
+    rank_probe.run(summed)

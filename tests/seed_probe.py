@@ -6,14 +6,10 @@ seeded by device id only), collects them, inverse-mixes them, and writes
 OUT_DIR/rank<r>.pt; every rank's file must equal the single-process one.
 """
 
-import os
-import sys
-
 import torch
 
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.exchanges.seed_samples import collect_seeds, inverse_mixup, mixed_seeds, raw_seeds
-from fedhpc.world import World
 
 DEVICES, CLASSES, PER_DEVICE = 7, 6, 40
 
@@ -23,32 +19,25 @@ def device_data(cid):
     return torch.rand(PER_DEVICE, 1, 5, 5, generator=g), torch.randint(0, CLASSES, (PER_DEVICE,), generator=g)
 
 
-def main():
-    out = sys.argv[1]
-    world = World("cpu", threads=1)
-    try:
-        mixed, raw, mixed3 = {}, {}, {}
-        for cid in range(world.rank, DEVICES, world.size):
-            x, y = device_data(cid)
-            g = lambda tag: torch.Generator().manual_seed(derive_seed(11, tag, cid))
-            mixed[cid] = mixed_seeds(x, y, 6, 0.2, CLASSES, g("mix"), cid=cid, schedule_seed=11)
-            mixed3[cid] = mixed_seeds(x, y, 6, (0.1, 0.3, 0.6), CLASSES, g("mix3"), cid=cid, schedule_seed=11)
-            raw[cid] = raw_seeds(x, y, 4, g("raw"), cid=cid, num_classes=CLASSES)
-        got = {}
-        for name, local in (("mixed", mixed), ("mixed3", mixed3), ("raw", raw)):
-            col = collect_seeds(world, local)
-            got[name] = {k: v for k, v in vars(col).items() if isinstance(v, torch.Tensor)}
-        g = torch.Generator().manual_seed(derive_seed(11, "inverse-mixup"))
-        inv = inverse_mixup(collect_seeds(world, mixed), 2 * 6 * DEVICES, 2, g)
-        got["inverse"] = {k: v for k, v in vars(inv).items() if isinstance(v, torch.Tensor)}
-        os.makedirs(out, exist_ok=True)
-        torch.save({"size": world.size, "sets": got}, os.path.join(out, f"rank{world.rank}.pt"))
-    finally:
-        world.close()
+def collected(world):
+    mixed, raw, mixed3 = {}, {}, {}
+    for cid in range(world.rank, DEVICES, world.size):
+        x, y = device_data(cid)
+        g = lambda tag: torch.Generator().manual_seed(derive_seed(11, tag, cid))
+        mixed[cid] = mixed_seeds(x, y, 6, 0.2, CLASSES, g("mix"), cid=cid, schedule_seed=11)
+        mixed3[cid] = mixed_seeds(x, y, 6, (0.1, 0.3, 0.6), CLASSES, g("mix3"), cid=cid, schedule_seed=11)
+        raw[cid] = raw_seeds(x, y, 4, g("raw"), cid=cid, num_classes=CLASSES)
+    got = {}
+    for name, local in (("mixed", mixed), ("mixed3", mixed3), ("raw", raw)):
+        col = collect_seeds(world, local)
+        got[name] = {k: v for k, v in vars(col).items() if isinstance(v, torch.Tensor)}
+    g = torch.Generator().manual_seed(derive_seed(11, "inverse-mixup"))
+    inv = inverse_mixup(collect_seeds(world, mixed), 2 * 6 * DEVICES, 2, g)
+    got["inverse"] = {k: v for k, v in vars(inv).items() if isinstance(v, torch.Tensor)}
+    return {"size": world.size, "sets": got}
 
 
 if __name__ == "__main__":
-    from fedhpc.launch import exit_now
+    import rank_probe
 
-    main()
-    exit_now(0)  # outputs are written: skip the teardown in which gloo sometimes aborts
+    rank_probe.run(collected)

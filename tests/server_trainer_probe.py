@@ -9,19 +9,14 @@ per-sample extras, a last batch smaller than the others, and batches with fewer
 micro-batches than ranks (rank 2 idle).
 """
 
-import os
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.flat import FlatModel
-from fedhpc.io import atomic_torch_save
 from fedhpc.models import build_model
 from fedhpc.server.trainer import ServerTrainConfig, ServerTrainer
-from fedhpc.world import World
 
 
 def data(tag, n, shape, classes, uint8=False):
@@ -73,25 +68,19 @@ def cases():
     return out
 
 
-def main():
-    dump = sys.argv[1]
-    world = World("cpu", threads=1)
-    try:
-        results = {}
-        for name, (model, kw, cfg) in cases().items():
-            flat = FlatModel(model)
-            init = flat.flat.clone()
-            res = ServerTrainer(world, model, flat).fit(cfg=cfg, seed=derive_seed(7, name), **kw)
-            results[name] = {"init": init, "flat": flat.flat.clone(),
-                             "ints": [b.clone() for b in model.buffers() if not b.is_floating_point()],
-                             "loss": res["loss"], "samples": res["samples"], "steps": res["steps"]}
-        atomic_torch_save(results, os.path.join(dump, f"rank{world.rank}.pt"))
-    finally:
-        world.close()
+def trained(world):
+    results = {}
+    for name, (model, kw, cfg) in cases().items():
+        flat = FlatModel(model)
+        init = flat.flat.clone()
+        res = ServerTrainer(world, model, flat).fit(cfg=cfg, seed=derive_seed(7, name), **kw)
+        results[name] = {"init": init, "flat": flat.flat.clone(),
+                         "ints": [b.clone() for b in model.buffers() if not b.is_floating_point()],
+                         "loss": res["loss"], "samples": res["samples"], "steps": res["steps"]}
+    return results
 
 
 if __name__ == "__main__":
-    from fedhpc.launch import exit_now
+    import rank_probe
 
-    main()
-    exit_now(0)  # outputs are written: skip the teardown in which gloo sometimes aborts
+    rank_probe.run(trained)
