@@ -12,7 +12,7 @@ set, or the clients' local splits laid end to end), a client's own model on the 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -56,13 +56,12 @@ class Evaluation:
         # (fsum): a float64 sum in rank order would move the test loss's last bits with the rank
         # count, as losses from 1e-9 to 10 do not add exactly.
         n, batch = self.data.num_test(), self.cfg.eval_batch_size
-        batches = -(-n // batch)
-        first, last = batches * self.world.rank // self.world.size, batches * (self.world.rank + 1) // self.world.size
+        batches, mine = self._my_eval_batches(n)
         per_label = self.cfg.per_label_accuracy
         classes = self.data.num_classes
         width = 3 + (2 * classes if per_label else 0)
         sums = torch.zeros(width + batches, dtype=torch.float64, device=self.world.device)
-        for b in range(first, last):
+        for b in mine:
             x, y = self.data.test_slice(b * batch, min((b + 1) * batch, n))
             part = self._eval_sums(x, y, per_label)
             sums[width + b] = part[0]
@@ -79,6 +78,12 @@ class Evaluation:
                 if seen[c] > 0:
                     out[f"test_accuracy_label{c}"] = float(correct[c] / seen[c])
         return out
+
+    def _my_eval_batches(self, n: int) -> Tuple[int, range]:
+        """(the eval batches ``n`` samples make, this rank's contiguous run of them): cut once, the
+        same for any rank count, so every sample meets the same batch (see _evaluate_global)."""
+        batches, rank, size = -(-n // self.cfg.eval_batch_size), self.world.rank, self.world.size
+        return batches, range(batches * rank // size, batches * (rank + 1) // size)
 
     def _eval_sums(self, x: torch.Tensor, y: torch.Tensor, per_label: bool = False) -> torch.Tensor:
         """(loss sum, correct, count[, correct per label, count per label]) of the loaded model on one batch."""
@@ -123,12 +128,10 @@ class Evaluation:
         ends = torch.from_numpy(sizes[clients]).cumsum(0)
         starts = ends - torch.from_numpy(sizes[clients])
         n, bs = int(ends[-1]), self.cfg.eval_batch_size
-        batches = -(-n // bs)
-        first, last = batches * self.world.rank // self.world.size, batches * (self.world.rank + 1) // self.world.size
         self.flat.load_(self.global_state)
         self.model.eval()
         ids = torch.tensor(clients, dtype=torch.long)
-        for b in range(first, last):
+        for b in self._my_eval_batches(n)[1]:
             r0, r1 = b * bs, min((b + 1) * bs, n)
             i0 = int(torch.searchsorted(ends, r0, right=True))   # first client ending after r0
             i1 = int(torch.searchsorted(starts, r1))              # first client starting at or after r1
