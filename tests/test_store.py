@@ -165,6 +165,10 @@ def test_store_reads_only_the_requested_client(tmp_path, monkeypatch):
     assert sorted((name, sel.start, sel.stop) for name, sel in reads) == sorted(
         (f"/client_test/{f}", int(a), int(b)) for f in "xy" for a, b in ((off[1], off[4]), (off[5], off[6])))
     assert x.shape[0] == test_sizes[[1, 2, 3, 5]].sum()
+    for read in (store.client, store.client_test_split):  # never a wrapped-around offset
+        for cid in (-1, 6):
+            with pytest.raises(DataError, match=rf"client {cid} does not exist; the store has clients 0\.\.5"):
+                read(cid)
     store.close()
 
 

@@ -376,17 +376,10 @@ class HDF5ClientStore(FederatedData):
         return self._sizes
 
     def client(self, cid: int) -> ClientData:
-        if not 0 <= cid < self.num_clients:
-            raise DataError(f"client {cid} does not exist; the store has clients 0..{self.num_clients - 1}")
+        x_test, y_test = self.client_test_split(cid)  # which also says when the client does not exist
         a, b = int(self._train_off[cid]), int(self._train_off[cid + 1])
-        c, d = int(self._ltest_off[cid]), int(self._ltest_off[cid + 1])
-        return ClientData(
-            cid,
-            torch.from_numpy(self._rows("train/x", a, b)),
-            torch.from_numpy(self._rows("train/y", a, b)).long(),
-            torch.from_numpy(self._rows("client_test/x", c, d)),
-            torch.from_numpy(self._rows("client_test/y", c, d)).long(),
-        )
+        return ClientData(cid, torch.from_numpy(self._rows("train/x", a, b)),
+                          torch.from_numpy(self._rows("train/y", a, b)).long(), x_test, y_test)
 
     def client_test_split(self, cid: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= cid < self.num_clients:
