@@ -67,6 +67,14 @@ def run_probe(script: str, out_dir, ranks: int, timeout: float = 180) -> list:
     return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt")) for r in range(ranks)]
 
 
+def fedhpc_algorithms() -> list:
+    """The algorithms fedhpc registers, sorted: not the probes some test modules register
+    (tests/state_probe.py's), which a parametrisation must not pick up by import order."""
+    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+    load_algorithm_modules()
+    return [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).__module__.startswith("fedhpc.")]
+
+
 def final_weights(out: str) -> dict:
     return torch.load(os.path.join(out, "final_model.pt"))
 

@@ -22,17 +22,15 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, clean_env, mpiexec
+from conftest import REPO, clean_env, fedhpc_algorithms, mpiexec
 from reference_steps import REFERENCES, load_family_references
 
-from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
 from fedhpc.run_log import WALL_CLOCK_METRICS
 from fedhpc.world import World
 from standard_runner import run_case
 
-load_algorithm_modules()
 load_family_references()
-ALGOS = [n for n in ALGORITHMS.names() if n != "state_probe"]
+ALGOS = fedhpc_algorithms()
 
 BASE = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--rounds", "3",
         "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--partition", "dirichlet:1.0",

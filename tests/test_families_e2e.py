@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import launch
+from conftest import fedhpc_algorithms, launch
 from test_formats import make_mnist, write_cifar10, write_image_tree, write_tff_femnist, write_tff_shakespeare
 
 COMMON = ["--rounds", "2", "--local-epochs", "1", "--batch-size", "8", "--lr", "0.01", "--quiet",
@@ -58,12 +58,6 @@ def test_model_family_runs_on_two_ranks(tmp_path, data_dir, dataset, model, part
 
 # ------------------------------------------------------------------------ every algorithm on text
 
-def _algorithm_names():
-    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
-    load_algorithm_modules()
-    return sorted(ALGORITHMS.names())
-
-
 #: what cannot run on next-character data with lstm_char, and says so when the engine is built: a
 #: residual model or projection head (FedAlign's study), seeds of one label each (FLD family), the
 #: server's own pixel base set (the one-shot family)
@@ -71,7 +65,7 @@ REFUSE_TEXT = {"fedalign", "gradaug", "stochdepth", "moon", "fld", "mixfld", "mi
                "xormixfl"}
 
 
-@pytest.mark.parametrize("algo", _algorithm_names())
+@pytest.mark.parametrize("algo", fedhpc_algorithms())
 def test_every_algorithm_trains_on_shakespeare_or_refuses_it_by_name(algo, tmp_path):
     """Next-character data (a label at every position, character ids stored as uint8) through each
     registered algorithm, two rounds in process: it trains, or (REFUSE_TEXT) fedhpc refuses it in
@@ -115,7 +109,7 @@ IMAGE_EXTRA = {
 SMALL_CNN = ["--model", "cnn", "--model-opt", "width=4", "--model-opt", "hidden=16"]
 
 
-@pytest.mark.parametrize("algo", _algorithm_names())
+@pytest.mark.parametrize("algo", fedhpc_algorithms())
 def test_every_algorithm_trains_on_cifar10_pickles(algo, tmp_path):
     """CIFAR-10 as its python pickles (3 x 32 x 32 uint8), through each registered algorithm with
     the options it needs: two rounds in process train, with finite losses and accuracies."""
