@@ -56,7 +56,28 @@ def test_model_family_runs_on_two_ranks(tmp_path, data_dir, dataset, model, part
     assert os.path.exists(os.path.join(out, "final_model.pt"))
 
 
-# ------------------------------------------------------------------------ every algorithm on text
+# ------------------------------------------------------------------------ every algorithm, two datasets
+
+#: in process: 3 clients, all of them each round, two rounds
+TWO_ROUNDS = ["--num-clients", "3", "--clients-per-round", "3", "--rounds", "2", "--threads", "1", "--quiet",
+              "--no-tensorboard"]
+
+
+def trained_two_rounds(algo, argv):
+    """Build the engine for ``argv``, run its two rounds and evaluate: every round's training loss
+    finite, the accuracies in [0, 1]. Raises what the engine raises (a refusal)."""
+    import torch
+
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    eng = Engine(*parse_args(["--algo", algo, *argv, *TWO_ROUNDS]), World(threads=1))
+    metrics = [eng.run_round(t) for t in range(2)]
+    final = eng.evaluate(2)
+    assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in metrics), algo
+    assert 0 <= final["test_accuracy"] <= 1 and 0 <= final["local_test_accuracy"] <= 1
+
 
 #: what cannot run on next-character data with lstm_char, and says so when the engine is built: a
 #: residual model or projection head (FedAlign's study), seeds of one label each (FLD family), the
@@ -70,29 +91,19 @@ def test_every_algorithm_trains_on_shakespeare_or_refuses_it_by_name(algo, tmp_p
     """Next-character data (a label at every position, character ids stored as uint8) through each
     registered algorithm, two rounds in process: it trains, or (REFUSE_TEXT) fedhpc refuses it in
     one line. Run by hand, fd, globalmix and the FLD seed methods ended in a traceback."""
-    import torch
-
-    from fedhpc.config import parse_args
-    from fedhpc.engine import Engine
     from fedhpc.errors import FedHPCError
-    from fedhpc.world import World
 
     write_tff_shakespeare(str(tmp_path / "shakespeare"))
-    argv = ["--algo", algo, "--dataset", "shakespeare", "--data-dir", str(tmp_path), "--model", "lstm_char",
-            "--model-opt", "embed_dim=4", "--model-opt", "hidden=8", "--model-opt", "num_layers=1",
-            "--data-opt", "seq_len=8", "--partition", "natural", "--num-clients", "3", "--clients-per-round", "3",
-            "--rounds", "2", "--batch-size", "4", "--threads", "1", "--quiet", "--no-tensorboard"]
+    text = ["--dataset", "shakespeare", "--data-dir", str(tmp_path), "--model", "lstm_char", "--model-opt",
+            "embed_dim=4", "--model-opt", "hidden=8", "--model-opt", "num_layers=1", "--data-opt", "seq_len=8",
+            "--partition", "natural", "--batch-size", "4"]
     try:
-        eng = Engine(*parse_args(argv), World(threads=1))
-        metrics = [eng.run_round(t) for t in range(2)]
-        final = eng.evaluate(2)
+        trained_two_rounds(algo, text)
     except FedHPCError as e:
         assert algo in REFUSE_TEXT, f"{algo} refused next-character data: {e}"
         assert str(e) and "\n" not in str(e).strip(), f"{algo}: {e}"   # one line, naming the problem
         return
     assert algo not in REFUSE_TEXT, f"{algo} trained on next-character data: take it out of REFUSE_TEXT"
-    assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in metrics), algo
-    assert 0 <= final["test_accuracy"] <= 1 and 0 <= final.get("local_test_accuracy", 0) <= 1
 
 
 #: per algorithm, what it needs on CIFAR-10 beyond the defaults: a residual model (FedAlign's study),
@@ -113,19 +124,7 @@ SMALL_CNN = ["--model", "cnn", "--model-opt", "width=4", "--model-opt", "hidden=
 def test_every_algorithm_trains_on_cifar10_pickles(algo, tmp_path):
     """CIFAR-10 as its python pickles (3 x 32 x 32 uint8), through each registered algorithm with
     the options it needs: two rounds in process train, with finite losses and accuracies."""
-    import torch
-
-    from fedhpc.config import parse_args
-    from fedhpc.engine import Engine
-    from fedhpc.world import World
-
     write_cifar10(str(tmp_path), per_batch=40, n_test=20)
-    argv = ["--algo", algo, "--dataset", "cifar10", "--data-dir", str(tmp_path), "--partition", "iid",
-            "--num-clients", "3", "--clients-per-round", "3", "--rounds", "2", "--batch-size", "8", "--threads", "1",
-            "--quiet", "--no-tensorboard", *IMAGE_EXTRA.get(algo, [])]
-    argv += [] if "--model" in argv else SMALL_CNN
-    eng = Engine(*parse_args(argv), World(threads=1))
-    metrics = [eng.run_round(t) for t in range(2)]
-    final = eng.evaluate(2)
-    assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in metrics), algo
-    assert 0 <= final["test_accuracy"] <= 1 and 0 <= final["local_test_accuracy"] <= 1
+    extra = IMAGE_EXTRA.get(algo, [])
+    trained_two_rounds(algo, ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--partition", "iid",
+                              "--batch-size", "8", *extra, *([] if "--model" in extra else SMALL_CNN)])
