@@ -9,7 +9,8 @@ OUT_DIR/rank<r>.pt; every rank's file must equal the single-process one.
 import torch
 
 from fedhpc.algorithms.base import derive_seed
-from fedhpc.exchanges.seed_samples import collect_seeds, inverse_mixup, mixed_seeds, raw_seeds
+from fedhpc.exchanges.inverse_mixup import inverse_mixup
+from fedhpc.exchanges.seed_samples import collect_seeds, mixed_seeds, raw_seeds
 
 DEVICES, CLASSES, PER_DEVICE = 7, 6, 40
 

@@ -215,7 +215,8 @@ def delivered_by_the_channel(eng, label_ids):
 @pytest.mark.parametrize("algo", ["fld", "mix2fld"])
 def test_seed_delivery_channel_uses_exactly_the_seeds_of_the_devices_whose_round1_upload_arrived(algo):
     from fedhpc.algorithms.base import derive_seed
-    from fedhpc.exchanges.seed_samples import SeedSet, inverse_mixup
+    from fedhpc.exchanges.inverse_mixup import inverse_mixup
+    from fedhpc.exchanges.seed_samples import SeedSet
     from reference_steps_mix2fld import fld_round
 
     eng = channel_engine(algo, SOME_LOST, "channel")

@@ -15,7 +15,8 @@ import torch
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.analysis.privacy import (audit_raw_leaves, log_min_distance, log_min_distances, raw_sources,
                                      sample_privacy)
-from fedhpc.exchanges.seed_samples import SeedSet, inverse_mixup, mixed_seeds, raw_seeds
+from fedhpc.exchanges.inverse_mixup import inverse_mixup
+from fedhpc.exchanges.seed_samples import SeedSet, mixed_seeds, raw_seeds
 
 C = 6
 

@@ -1,4 +1,4 @@
-"""Seed samples of FLD / MixFLD / Mix2FLD (fedhpc/exchanges/seed_samples.py).
+"""Seed samples of FLD / MixFLD / Mix2FLD (fedhpc/exchanges/seed_samples.py, inverse_mixup.py).
 
 Expected values are computed here from the raw data: mixtures by direct sums of
 raw samples, inverse ratios by torch.linalg.solve on the mixing matrix written
@@ -14,8 +14,8 @@ import torch
 from conftest import run_probe
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.errors import ConfigError, DataError
-from fedhpc.exchanges.seed_samples import (SeedSampleOptions, SeedSet, collect_seeds, inverse_mixup,
-                                           inverse_ratios, mixed_seeds, mixing_ratios, raw_seeds)
+from fedhpc.exchanges.inverse_mixup import inverse_mixup, inverse_ratios
+from fedhpc.exchanges.seed_samples import SeedSampleOptions, SeedSet, collect_seeds, mixed_seeds, mixing_ratios, raw_seeds
 
 C = 10
 

@@ -6,7 +6,7 @@ Devices upload mixed seeds as in MixFLD. The server combines N mixed seeds from 
 circulant mixing matrix (Eq. 8; for N = 2, lambda_hat = lambda / (2 lambda - 1), negative
 weights expected), so every result carries a *hard* label, and trains on N_I >= N_S such
 samples per device instead of the soft-labelled seeds
-(:func:`fedhpc.exchanges.seed_samples.inverse_mixup`). Seeds of one device are never
+(:func:`fedhpc.exchanges.inverse_mixup.inverse_mixup`). Seeds of one device are never
 combined (that could restore a raw sample). Everything else is FLD's. With
 ``--seed-delivery channel`` only the devices whose round-1 upload arrived contribute
 seeds: N_I per such device are asked for, and as many as their seeds allow are made.
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..exchanges.seed_samples import SeedSet, inverse_mixup
+from ..exchanges.inverse_mixup import inverse_mixup
+from ..exchanges.seed_samples import SeedSet
 from . import register_algorithm
 from .base import derive_seed
 from .mixfld import MixFLD
