@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fedhpc.algorithms.base import derive_seed
-from fedhpc.algorithms.oneshot import EncodedSet, encode_device, from_pixels, to_pixels, xor_decode
+from fedhpc.algorithms.sample_codecs import EncodedSet, encode_device, from_pixels, to_pixels, xor_decode
 from fedhpc.server.trainer import ServerTrainConfig, server_batches
 from reference_steps import autograd, flat_of, reference, start_model
 

@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedhpc.algorithms.oneshot import (
-    balance_deficits, blend, encode_device, from_pixels, keep_until_balanced, mix_encode,
-    split_requests, to_pixels, xor_chain, xor_decode,
-)
+from fedhpc.algorithms.oneshot import balance_deficits, keep_until_balanced, split_requests
+from fedhpc.algorithms.sample_codecs import blend, encode_device, from_pixels, mix_encode, to_pixels, xor_chain, xor_decode
 from fedhpc.analysis.privacy import classical_mds, mds_min_distances, pixel_min_distances
 from fedhpc.config import parse_args
 from fedhpc.data import build_dataset

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from . import register_algorithm
-from .oneshot import EncodedUploads, EncodingOptions, from_pixels, keep_until_balanced
+from .oneshot import EncodedUploads, EncodingOptions, keep_until_balanced
+from .sample_codecs import from_pixels
 
 
 @dataclass

@@ -6,8 +6,9 @@ dummy labels' ids. The server decodes each with its *own* blend of the same dumm
 labels, d = e XOR b'(dummy) (Eq. 3), labels it with the target label, adds decoded
 samples until its dataset is balanced, trains the global model on it (data-parallel
 over all ranks) and broadcasts it. No raw sample, and no linear mix of raw samples,
-leaves a device; the decoded samples are noisy because b' != b. The codec, blending,
-balancing and uint8 pixel domain are :mod:`fedhpc.algorithms.oneshot`'s.
+leaves a device; the decoded samples are noisy because b' != b. The codec, blending and
+uint8 pixel domain are :mod:`fedhpc.algorithms.sample_codecs`'s, the balancing
+:mod:`fedhpc.algorithms.oneshot`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 from . import register_algorithm
 from .base import derive_seed
-from .oneshot import EncodedUploads, from_pixels, keep_until_balanced, to_pixels, xor_decode
+from .oneshot import EncodedUploads, keep_until_balanced
+from .sample_codecs import from_pixels, to_pixels, xor_decode
 
 
 @register_algorithm("xormixfl")
