@@ -331,7 +331,7 @@ def test_ledger_counts_mean_data_and_raw_samples():
 
 def run_audited(algo, mk, **algo_options):
     """Run 2 rounds; capture every tensor a client hands over: its uploads and its collective rows."""
-    from fedhpc.exchanges.mean_data import audit_traffic
+    from fedhpc.exchanges.traffic_audit import audit_traffic
 
     eng = make_engine(algo, **algo_options)
     gathered, uploads = [], []

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from conftest import REPO, clean_env, mpiexec
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.errors import DataError
-from fedhpc.exchanges.mean_data import (MeanData, MeanDataExchange, MeanDataOptions, audit_traffic,
-                                        batches_per_client, exchange_means, mean_batches)
+from fedhpc.exchanges.mean_data import (MeanData, MeanDataExchange, MeanDataOptions, batches_per_client,
+                                        exchange_means, mean_batches)
+from fedhpc.exchanges.traffic_audit import audit_traffic
 
 
 class OneRank:

@@ -238,7 +238,7 @@ class Algorithm:
     def hosted_training_clients(self) -> List[int]:
         """The training clients whose up-front exchange (seeds, shared samples, encoded uploads)
         this rank computes: client c on rank c % size, as the mean-data exchange deals them
-        (``exchanges.mean_data.owner_rank``); cold-start clients take part in none."""
+        (``exchanges.ownership.owner_rank``); cold-start clients take part in none."""
         training = set(self.training_clients)
         return [c for c in range(self.comm.rank, self.data.num_clients, self.comm.size) if c in training]
 

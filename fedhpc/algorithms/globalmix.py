@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
-from ..exchanges.mean_data import KeptCopies, auditing, canonical_order, owner_rank, record_sent
+from ..exchanges.mean_data import KeptCopies
+from ..exchanges.ownership import canonical_order, owner_rank
+from ..exchanges.traffic_audit import auditing, record_sent
 from . import register_algorithm
 from .base import Algorithm, derive_seed
 from .fedprox import add_proximal_term

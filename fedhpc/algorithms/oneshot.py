@@ -37,7 +37,7 @@ import torch
 
 from ..analysis.privacy import audit_raw_leaves, mds_min_distances, pixel_min_distances
 from ..errors import ConfigError, DataError
-from ..exchanges.mean_data import canonical_order
+from ..exchanges.ownership import canonical_order
 from ..server.trainer import ServerTrainConfig, ServerTrainer
 from .base import Algorithm, derive_seed
 from .sample_codecs import EncodedSet, encode_device, to_pixels

@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Mapping, Sequence, Union
 import torch
 
 from ..errors import DataError
-from ..exchanges.mean_data import invert_owners
+from ..exchanges.ownership import invert_owners
 
 RawLookup = Union[Mapping[int, torch.Tensor], Callable[[int], torch.Tensor]]
 
@@ -82,7 +82,7 @@ def _getter(raw: RawLookup) -> Callable[[int], torch.Tensor]:
 
 def _by_device(owners: torch.Tensor):
     """(device, ascending row positions of ``owners`` that list it) for each device listed, in
-    device order: one sort (:func:`~fedhpc.exchanges.mean_data.invert_owners`), where a mask
+    device order: one sort (:func:`~fedhpc.exchanges.ownership.invert_owners`), where a mask
     per device costs devices x samples (20,000 devices' seeds: minutes)."""
     ptr, positions = invert_owners(owners)
     for cid in range(len(ptr) - 1):

@@ -52,15 +52,15 @@ entries that hold none of its data, in table order, addressed through an
 inverted index (client -> its sorted positions) built once per table, so a
 client's download costs O(its own entries), not O(table).
 
-The traffic audit (:func:`audit_traffic`) lets a test observe, for every row a
-client puts into a collective, which raw samples it was computed from.
+Every row a client puts into a collective is reported to
+:func:`fedhpc.exchanges.traffic_audit.record_sent`, so a test can see which raw samples
+it was computed from.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -68,6 +68,8 @@ import torch.nn.functional as F
 
 from ..algorithms.base import derive_seed
 from ..errors import ConfigError, DataError
+from .ownership import invert_owners, owner_rank
+from .traffic_audit import auditing, record_sent
 
 
 # --------------------------------------------------------------------------- options
@@ -153,25 +155,6 @@ class MeanData:
         return len(self) * self.entry_bytes()
 
 
-def invert_owners(owners: torch.Tensor) -> Tuple[np.ndarray, torch.Tensor]:
-    """CSR index client -> ascending positions of the entries listing it, in one sort of the table.
-
-    A key ``owner * E + position`` sorts by client, then position; ``unique`` also
-    drops a client listed twice in one entry, so each position appears once per client.
-    Negative owners (padding) are left out. Also the privacy audit's grouping of samples by
-    the devices behind them (fedhpc.analysis.privacy).
-    """
-    e, m = owners.shape
-    own = owners.detach().to("cpu").reshape(-1)
-    pos = torch.arange(e).repeat_interleave(m)
-    keep = own >= 0
-    key = torch.unique(own[keep] * max(e, 1) + pos[keep])  # sorted
-    owner_sorted = key // max(e, 1)
-    n = int(owner_sorted[-1]) + 1 if len(key) else 0
-    ptr = torch.searchsorted(owner_sorted, torch.arange(n + 1)).numpy()
-    return ptr, (key - owner_sorted * max(e, 1)).to(owners.device)
-
-
 class ExternalMeans:
     """The entries of a table that hold none of one client's data, in table order, not copied.
 
@@ -218,62 +201,7 @@ class ExternalMeans:
 MeanRows = Union[MeanData, ExternalMeans]
 
 
-# --------------------------------------------------------------------------- traffic audit
-
-@dataclass
-class SentRecord:
-    """One row a client put into a collective: what it is, and the raw samples behind it."""
-
-    cid: int
-    kind: str                # ledger kind: "mean_data" or "raw_samples"
-    row: torch.Tensor        # the exact row handed to the collective (CPU copy)
-    x: torch.Tensor          # the input part of the row, unpacked (CPU)
-    sources: np.ndarray      # indices into the client's training data that the row is computed from
-
-
-class TrafficAudit:
-    def __init__(self):
-        self.records: List[SentRecord] = []
-
-
-_AUDITS: List[TrafficAudit] = []
-
-
-@contextlib.contextmanager
-def audit_traffic() -> Iterator[TrafficAudit]:
-    """Record every row clients send through the mean-data / raw-sample collectives (tests)."""
-    audit = TrafficAudit()
-    _AUDITS.append(audit)
-    try:
-        yield audit
-    finally:
-        _AUDITS.remove(audit)
-
-
-def auditing() -> bool:
-    return bool(_AUDITS)
-
-
-def record_sent(cid: int, kind: str, row: torch.Tensor, x: torch.Tensor, sources) -> None:
-    if _AUDITS:
-        rec = SentRecord(int(cid), kind, row.detach().cpu().clone(), x.detach().cpu().clone(),
-                         np.asarray(sources, dtype=np.int64).copy())
-        for a in _AUDITS:
-            a.records.append(rec)
-
-
 # --------------------------------------------------------------------------- layout
-
-def canonical_order(major: torch.Tensor, minor: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting gathered rows by (major, minor): the same order for any rank count."""
-    span = int(minor.max()) + 1 if len(minor) else 1
-    return torch.argsort(major * span + minor)
-
-
-def owner_rank(cid: int, world_size: int) -> int:
-    """The rank that computes (and, in the ledger, sends) client ``cid``'s means."""
-    return cid % world_size
-
 
 def batches_per_client(sizes, opts: MeanDataOptions) -> np.ndarray:
     """How many means each client sends, from its training-set size n_k alone.
@@ -331,7 +259,7 @@ class MeanLayout:
 
     def rank_positions(self, world_size: int) -> List[np.ndarray]:
         """For every rank, the ascending positions of the entries it computes."""
-        owner = self.cids % world_size
+        owner = owner_rank(self.cids, world_size)
         order = np.argsort(owner, kind="stable")
         return np.split(order, np.cumsum(np.bincount(owner, minlength=world_size))[:-1])
 

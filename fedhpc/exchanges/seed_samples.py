@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from ..algorithms.base import derive_seed
 from ..errors import ConfigError, DataError
-from .mean_data import canonical_order
+from .ownership import canonical_order
 
 # --------------------------------------------------------------------------- options
 
