@@ -1,4 +1,4 @@
-"""The second-order analysis (fedhpc/analysis/hessian.py, FedAlign Sec. 3.4) against exact Hessians.
+"""FedAlign's second-order analysis (fedhpc/analysis/hessian*.py, Sec. 3.4) against exact Hessians.
 
 Exact Hessians come from ``torch.autograd.functional.hessian`` of the loss as a function of
 the flat parameter vector (``torch.func.functional_call``): nothing of the tool's HVP code.
@@ -19,8 +19,9 @@ from torch import nn
 from torch.func import functional_call
 
 from conftest import REPO, clean_env, mpiexec
-from fedhpc.analysis.hessian import (Objective, RunAnalysis, hessian_diagonal, hessian_matching, hutchinson_trace,
-                                     layerwise, main, rademacher, saved_clients, top_eigenvalue)
+from fedhpc.analysis.hessian import RunAnalysis, main, saved_clients
+from fedhpc.analysis.hessian_estimators import (Objective, hessian_diagonal, hessian_matching, hutchinson_trace,
+                                                layerwise, rademacher, top_eigenvalue)
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.world import World
 

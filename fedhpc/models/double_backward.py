@@ -1,7 +1,7 @@
 """Forward passes whose graph is differentiated twice: keep cuDNN's RNN kernels out of them.
 
 FedMix's l3 term (:func:`fedhpc.algorithms.mixing.fedmix_loss`) and the Hessian-vector
-products of :mod:`fedhpc.analysis.hessian` differentiate a backward pass again. cuDNN's
+products of :mod:`fedhpc.analysis.hessian_estimators` differentiate a backward pass again. cuDNN's
 RNN kernels have no double backward: on CUDA, a graph recorded through ``nn.LSTM`` /
 ``nn.GRU`` / ``nn.RNN`` with cuDNN on raises "Double backwards is not supported for CuDNN
 RNNs" at the second differentiation (and cuDNN's RNN backward also refuses a model in eval
