@@ -26,22 +26,25 @@ class Evaluation:
 
     @torch.no_grad()
     def evaluate(self, round_number: Optional[int] = None) -> Dict[str, float]:
-        """Every eval round: the global model on the global test set; with local splits, the
+        """Every eval round: the global model on the global test set (unless the method trains
+        none, ``algo.has_global_model``); with local splits, the
         model each client would use on its own split; with a personal or channel-affected
         model, the reference device's model on the global test set (Mix2FLD's Fig. 2).
 
         ``round_number`` (1-based) draws the clients of a sampled local evaluation
         (--local-eval-clients); without it every client is evaluated."""
-        metrics = self._evaluate_global(self.global_state)
+        has_global = self.algo.has_global_model  # else the global state is the untrained initial model
+        metrics = self._evaluate_global(self.global_state) if has_global else {}
         if self.cfg.local_eval and self.cfg.client_test_fraction > 0:
             clients = self._local_eval_clients(round_number)
             metrics.update(self._evaluate_local(clients))
             if len(clients) < len(self.training_clients):
                 metrics["local_eval_clients"] = len(clients)
         if self.uses_store:
-            state = self._holder_broadcast(self.reference_device)
+            state = self._holder_broadcast(self.reference_device)  # None: it uses the global model
             metrics["reference_device_accuracy"] = (
-                metrics["test_accuracy"] if state is None else self._evaluate_global(state)["test_accuracy"])
+                metrics["test_accuracy"] if state is None and has_global
+                else self._evaluate_global(self.global_state if state is None else state)["test_accuracy"])
         return metrics
 
     def _evaluate_global(self, state: torch.Tensor) -> Dict[str, float]:
@@ -221,7 +224,7 @@ class Evaluation:
             "local_test_accuracy_std": float(acc.std(unbiased=False)),
             "local_test_accuracy_worst10": float(worst.mean()),
         }
-        if table[3].sum() > 0:
+        if table[3].sum() > 0 and self.algo.has_global_model:
             out["local_test_accuracy_global_model"] = float(table[2].sum() / table[1].sum().clamp_min(1))
         return out
 

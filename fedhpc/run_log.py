@@ -22,6 +22,13 @@ WALL_CLOCK_METRICS = ("round_seconds", "round_seconds_total", "eval_seconds", "c
                       "sim_round_seconds", "sim_seconds_total")
 
 
+def evaluated(metrics: Dict[str, float]) -> bool:
+    """Whether a round's record holds an evaluation: metrics.jsonl keeps those alone. The engine
+    marks every evaluation with eval_seconds; records older checkpoints kept lack it, and carry
+    test_accuracy, which a method training no global model (FD) does not report."""
+    return "eval_seconds" in metrics or "test_accuracy" in metrics
+
+
 class RunLog:
     """Output methods of the engine (see the module docstring)."""
 
@@ -67,7 +74,7 @@ class RunLog:
     def _log(self, metrics: Dict[str, float], echo: bool = True) -> None:
         if not self.is_main:
             return
-        if self._metrics_file is not None and "test_accuracy" in metrics:
+        if self._metrics_file is not None and evaluated(metrics):
             try:
                 self._metrics_file.write(json.dumps(metrics) + "\n")
                 self._metrics_file.flush()
@@ -101,8 +108,13 @@ class RunLog:
             print(line, flush=True)
 
     def _final_line(self, final: Dict[str, float]) -> str:
-        line = (f"final test accuracy {final['test_accuracy']:.4f} (test loss {final['test_loss']:.4f}) "
-                f"after {self.stop_round} rounds")
+        if "test_accuracy" in final:
+            line = (f"final test accuracy {final['test_accuracy']:.4f} (test loss {final['test_loss']:.4f}) "
+                    f"after {self.stop_round} rounds")
+        else:  # no global model (FD): the devices' own models are the result
+            own = (f" mean accuracy of the devices' own models {final['local_test_accuracy_mean']:.4f} (their "
+                   f"local splits)" if "local_test_accuracy_mean" in final else "")
+            line = f"final{own} after {self.stop_round} rounds; {self.cfg.algo} trains no global model"
         if "reference_device_accuracy" in final:
             line += f"; reference device {self.reference_device}: accuracy {final['reference_device_accuracy']:.4f}"
         if "sim_seconds_total" in final:

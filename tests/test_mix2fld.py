@@ -181,6 +181,35 @@ def test_fd_logs_the_largest_label_change_and_a_resumed_run_logs_the_same(tmp_pa
 
 
 
+def test_fd_reports_its_devices_models_and_no_global_test_accuracy(tmp_path):
+    """FD trains no global model: its global state stays the initial model, so the run reports no
+    test accuracy or loss (that model's) and no global model on the local splits, yet logs every
+    evaluated round, and its final line leads with the devices' own models. A reference device
+    that has not trained yet is evaluated with the (initial) global model."""
+    from standard_runner import run_case
+
+    argv = ["--algo", "fd", *COMMON, "--rounds", "3", "--clients-per-round", "2", "--eval-every", "2"]
+    eng = Engine(*parse_args(argv), World(threads=1))
+    before = eng.evaluate()
+    eng.flat.load_(eng.global_state)
+    eng.model.eval()
+    x, y = eng.data.test_slice(0, eng.data.num_test())
+    with torch.no_grad():
+        initial = float((eng.model(eng.data.transform(x, False, None)).argmax(-1) == y).double().mean())
+    assert before["reference_device_accuracy"] == pytest.approx(initial, abs=1e-12)
+
+    out = str(tmp_path / "run")
+    ran, final, _ = run_case(argv + ["--out", out], World(threads=1))
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["round"] for r in rows] == [2, 3]
+    for r in rows + [final]:
+        assert not {"test_accuracy", "test_loss", "local_test_accuracy_global_model"} & set(r), r.keys()
+        assert 0 <= r["reference_device_accuracy"] <= 1 and 0 <= r["local_test_accuracy_mean"] <= 1
+    line = ran._final_line(final)
+    assert line.startswith(f"final mean accuracy of the devices' own models {final['local_test_accuracy_mean']:.4f} "
+                           f"(their local splits) after 3 rounds; fd trains no global model"), line
+
+
 # ----------------------------------------------------------------------------- which seeds arrive (--seed-delivery)
 
 # 6 devices, all in every round; one uplink channel shared by 6: 416 bytes per good slot, so a

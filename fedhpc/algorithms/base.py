@@ -199,6 +199,10 @@ class Algorithm:
     #: RunConfig settings outside RunConfig.IDENTITY that this algorithm's updates read (e.g.
     #: a schedule over ``rounds``): a checkpoint then resumes only with the same values
     identity_settings: Tuple[str, ...] = ()
+    #: False for a method that trains no global model (FD: devices exchange outputs, never
+    #: weights). The global state then stays the initial model, so the engine reports no global
+    #: test accuracy (it would be the untrained model's) and leads with the devices' own models
+    has_global_model = True
 
     def __init__(self, cfg: "RunConfig", options: Any, model: nn.Module, flat: "FlatModel",
                  data: "FederatedData", comm: "World", client_state: Any):

@@ -21,9 +21,9 @@ the largest per-label one (:func:`label_relative_change`), not the ratio over th
 in which one label still moving is averaged away by the others.
 
 Under the channel model a device whose downlink fails keeps distilling from the table
-it had. The global *model* is never trained: the run's headline figures are the
-devices' own models (``reference_device_accuracy``, ``local_test_accuracy``); the
-``test_accuracy`` column is the untouched initial model and says nothing about FD.
+it had. The global *model* is never trained (``has_global_model = False``): the run reports
+the devices' own models (``reference_device_accuracy``, ``local_test_accuracy*``) and no
+``test_accuracy``, which would be the untouched initial model's.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class FD(Algorithm):
     Options = FDOptions
     ledger_kinds = ("outputs",)
     uses_client_state = True
+    has_global_model = False
 
     def setup(self):
         self.options = self.options or FDOptions()
