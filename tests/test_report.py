@@ -459,3 +459,44 @@ def test_best_local_accuracy_skips_the_rounds_that_evaluated_a_sample_of_clients
     best = best_stats(group, names)
     assert best["test_accuracy"].values == [0.7]  # the global test set: every round counts
     assert best["local_test_accuracy"].values == [0.8]
+
+
+def test_plots_mark_sampled_local_rounds_hollow_and_draw_the_reference_device_against_time(tmp_path, monkeypatch):
+    """The clients' plot draws rounds that evaluated a sample of clients with hollow markers (at
+    those rounds only); runs with a reference device get its accuracy against the simulated clock
+    (Mix2FLD's Fig. 2), at the mean over seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedhpc.report.plots import plot_groups
+    from fedhpc.report.runs import Group, Run
+
+    def rec(t, local, ref, sim, sampled=False):
+        r = {"round": t, "test_accuracy": 0.5, "local_test_accuracy": local, "reference_device_accuracy": ref,
+             "sim_seconds_total": sim}
+        return {**r, "local_eval_clients": 3} if sampled else r
+
+    runs = [Run(path=f"r{s}", config=None, state=None,
+                records=[rec(1, 0.2, 0.1 + 0.2 * s, 1.0 + s), rec(2, 0.4, 0.3, 2.0, sampled=True), rec(3, 0.6, 0.5, 3.0)])
+            for s in (0, 1)]
+    axes = {}
+    subplots = plt.subplots
+
+    def spy(*a, **k):
+        fig, ax = subplots(*a, **k)
+        axes[len(axes)] = ax
+        return fig, ax
+
+    monkeypatch.setattr(plt, "subplots", spy)
+    written = plot_groups([Group(settings={"algo": "fd"}, runs=runs)], ["fd"], str(tmp_path))
+    names = list(written)
+    assert names[-2:] == ["personalized_accuracy_vs_round", "reference_device_accuracy_vs_time"]
+    local, ref = axes[len(names) - 2], axes[len(names) - 1]
+    hollow = [l for l in local.lines if l.get_markerfacecolor() == "white"]
+    assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [2.0] and list(hollow[0].get_ydata()) == [40.0]
+    assert "--local-eval-clients" in local.get_title()
+    line, = ref.lines
+    assert list(line.get_xdata()) == [1.5, 2.0, 3.0] and list(line.get_ydata()) == pytest.approx([20.0, 30.0, 50.0])
+    for name in names:
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

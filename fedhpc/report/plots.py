@@ -1,4 +1,5 @@
-"""PNG plots of a report: accuracy against rounds, communicated bytes and time (matplotlib, Agg).
+"""PNG plots of a report: accuracy against rounds, communicated bytes and time (matplotlib, Agg);
+the clients' own models against rounds, and the reference device's against time (Mix2FLD's Fig. 2).
 
 One line per group: the mean over its seeds at the rounds every seed evaluated, with a band of
 +- one standard deviation where there are several seeds. The x axis of the byte and time plots
@@ -6,6 +7,8 @@ is the mean over seeds too (with partial participation they differ slightly per 
 Time is the simulated clock (sim_seconds_total, channel models) where every run has one,
 otherwise wall-clock seconds estimated from round_seconds: metrics.jsonl holds only evaluated
 rounds, so each logged round_seconds stands for the rounds since the previous evaluation.
+In the clients' plot, rounds that evaluated a seeded sample of them (--local-eval-clients) are
+hollow markers: estimates, noisier than the rounds covering every client.
 A record whose round, plotted metric or x-axis field holds something other than a finite number
 (a hand edit, another tool's file) is left out of that plot, and the report names the run and field.
 """
@@ -82,6 +85,13 @@ def curve(group: Group, metric: str, x: XAxis, left_out: Optional[LeftOut] = Non
     return xs.mean(axis=0), ys.mean(axis=0), std
 
 
+def sampled_rounds(group: Group) -> List[float]:
+    """Rounds at which some run of the group evaluated its clients' models over a sample of them
+    (--local-eval-clients): an unbiased but noisier estimate than the rounds covering every client."""
+    return sorted({float(rec["round"]) for r in group.runs for rec in r.records
+                   if "local_eval_clients" in rec and _readable_round(rec.get("round"))})
+
+
 def _save(fig, path: str) -> None:
     atomic_write_bytes(path, lambda f: fig.savefig(f, format="png"))
 
@@ -120,10 +130,13 @@ def plot_groups(groups: List[Group], labels: List[str], out_dir: str,
              ("accuracy_vs_time", "test_accuracy", time_axis, time_label)]
     if any("local_test_accuracy" in rec for g in groups for r in g.runs for rec in r.records):
         plots.append(("personalized_accuracy_vs_round", "local_test_accuracy", _rounds, "round"))
+    if any("reference_device_accuracy" in rec for g in groups for r in g.runs for rec in r.records):
+        # Mix2FLD's Fig. 2: one device's own model against the (simulated) clock; FD has no other
+        plots.append(("reference_device_accuracy_vs_time", "reference_device_accuracy", time_axis, time_label))
     written = {}
     for name, metric, x, xlabel in plots:
         fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-        drawn = False
+        drawn = sampled = False
         for g, label in zip(groups, labels):
             c = curve(g, metric, x, left_out)
             if c is None:
@@ -132,8 +145,16 @@ def plot_groups(groups: List[Group], labels: List[str], out_dir: str,
             line, = ax.plot(xs, 100 * mean, marker="o", markersize=3, label=f"{label} (n={len(g.runs)})")
             if len(g.runs) > 1:
                 ax.fill_between(xs, 100 * (mean - std), 100 * (mean + std), color=line.get_color(), alpha=0.2)
+            if metric.startswith("local_test_accuracy") and x is _rounds:
+                hollow = np.isin(xs, sampled_rounds(g))
+                if hollow.any():
+                    ax.plot(xs[hollow], 100 * mean[hollow], linestyle="none", marker="o", markersize=5,
+                            markerfacecolor="white", color=line.get_color())
+                    sampled = True
             drawn = True
         if drawn:
+            if sampled:
+                ax.set_title("hollow: a seeded sample of the clients (--local-eval-clients)", fontsize=8)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(f"{metric.replace('_', ' ')} (%)")
             ax.grid(alpha=0.3)
