@@ -95,6 +95,27 @@ def check_exact_cover(data, pool_ids, labels_by_id):
     return ids, owner
 
 
+# --------------------------------------------------------------------------- the embedded digits
+
+
+@pytest.mark.parametrize("bundled", [True, False])
+def test_digits_read_from_sklearns_file_are_what_load_digits_gives(bundled, monkeypatch):
+    """The embedded digits are read from scikit-learn's bundled CSV with numpy (importing
+    sklearn.datasets costs seconds per process); where a version keeps the file elsewhere,
+    load_digits itself. Either way: its images / 16 as float32, its labels, bit for bit."""
+    from sklearn.datasets import load_digits
+
+    import fedhpc.data.digits as digits
+
+    assert digits.bundled_digits_csv() is not None  # the scikit-learn pinned here has it where read
+    if not bundled:
+        monkeypatch.setattr(digits, "bundled_digits_csv", lambda: None)
+    x, y = digits.load_digits_arrays()
+    d = load_digits()
+    assert x.dtype == np.float32 and x.shape == (1797, 1, 8, 8) and y.dtype == np.int64
+    assert np.array_equal(x[:, 0], d.images.astype(np.float32) / 16.0) and np.array_equal(y, d.target)
+
+
 # --------------------------------------------------------------------------- IDX
 
 

@@ -7,7 +7,10 @@ the pool that the partition spreads over clients.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -28,13 +31,34 @@ class DigitsOptions:
             raise ConfigError(f"digits test_fraction must be in (0, 1), got {self.test_fraction}")
 
 
-def load_digits_arrays():
-    from sklearn.datasets import load_digits
+def bundled_digits_csv() -> Optional[np.ndarray]:
+    """The (1797, 65) table scikit-learn ships as ``datasets/data/digits.csv.gz`` (64 pixels, then
+    the label), read with numpy, or None where a scikit-learn version keeps it elsewhere.
 
-    d = load_digits()
+    ``load_digits`` reads exactly this file with ``np.loadtxt``; importing ``sklearn.datasets``
+    to call it also imports scipy.stats and the rest of scikit-learn, 1-2 s at every launch, on
+    every rank and in every subprocess of the test suite."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz")
+    if not os.path.isfile(path):
+        return None
+    table = np.loadtxt(path, delimiter=",")
+    return table if table.ndim == 2 and table.shape[1] == 65 else None
+
+
+def load_digits_arrays():
+    table = bundled_digits_csv()
+    if table is None:
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        images, target = d.images, d.target
+    else:  # what load_digits makes of the file
+        images, target = table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
     # Pixels are 0..16 intensities; store them as float32 in [0, 1], shape (N, 1, 8, 8).
-    x = (d.images.astype(np.float32) / 16.0)[:, None, :, :]
-    return x, d.target.astype(np.int64)
+    x = (images.astype(np.float32) / 16.0)[:, None, :, :]
+    return x, target.astype(np.int64)
 
 
 def stratified_holdout(labels: np.ndarray, fraction: float, seed: int):
