@@ -111,6 +111,9 @@ class RunLog:
         if "test_accuracy" in final:
             line = (f"final test accuracy {final['test_accuracy']:.4f} (test loss {final['test_loss']:.4f}) "
                     f"after {self.stop_round} rounds")
+            if "local_test_accuracy_global_model" in final:  # clients kept models of their own
+                line += (f"; clients' own models on their splits: mean accuracy "
+                         f"{final['local_test_accuracy_mean']:.4f}")
         else:  # no global model (FD): the devices' own models are the result
             own = (f" mean accuracy of the devices' own models {final['local_test_accuracy_mean']:.4f} (their "
                    f"local splits)" if "local_test_accuracy_mean" in final else "")

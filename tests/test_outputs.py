@@ -173,3 +173,27 @@ def test_more_threads_than_cores_is_warned_about(tmp_path):
     assert f"warning: {cores + 1} thread(s) per rank x 1 rank(s) on this node exceed its {cores} core(s)" in p.stderr
     args[args.index("--threads") + 1] = str(cores)
     assert "exceed" not in launch(args).stderr
+
+
+def test_the_final_line_leads_with_the_model_the_method_ends_with():
+    """A global model: its test accuracy; clients that kept models of their own (personal methods):
+    also their mean accuracy on their splits, the personalised papers' metric; no global model
+    (FD): the devices' own models first, and it says why there is no test accuracy."""
+    from types import SimpleNamespace
+
+    from fedhpc.run_log import RunLog
+
+    run = SimpleNamespace(stop_round=7, reference_device=4, cfg=SimpleNamespace(algo="pmixfed"))
+    glob = {"test_accuracy": 0.91234, "test_loss": 0.25, "local_test_accuracy_mean": 0.8}
+    assert RunLog._final_line(run, glob) == "final test accuracy 0.9123 (test loss 0.2500) after 7 rounds"
+    personal = {**glob, "local_test_accuracy_mean": 0.95678, "local_test_accuracy_global_model": 0.7,
+                "reference_device_accuracy": 0.5}
+    assert RunLog._final_line(run, personal) == (
+        "final test accuracy 0.9123 (test loss 0.2500) after 7 rounds; clients' own models on their splits: "
+        "mean accuracy 0.9568; reference device 4: accuracy 0.5000")
+    run.cfg.algo = "fd"
+    assert RunLog._final_line(run, {"local_test_accuracy_mean": 0.85, "reference_device_accuracy": 0.72,
+                                    "sim_seconds_total": 1.5}) == (
+        "final mean accuracy of the devices' own models 0.8500 (their local splits) after 7 rounds; fd trains no "
+        "global model; reference device 4: accuracy 0.7200, convergence time 1.50 s (simulated channel + "
+        "measured compute)")
