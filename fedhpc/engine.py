@@ -124,6 +124,10 @@ class Engine(Evaluation, RunLog, Resume):
         self.algo = algo_cls(cfg, algo_options, self.model, self.flat, self.data, world, self.client_state)
         self.algo.training_clients = list(self.training_clients)
         self.algo.setup()
+        if cfg.per_label_accuracy and not self.algo.has_global_model:
+            raise ConfigError(f"--per-label-accuracy reports the global model's accuracy per label, and {cfg.algo} "
+                              f"trains no global model (its devices keep their own: local_test_accuracy*, "
+                              f"reference_device_accuracy); drop the flag")
         check_single_sample_batches(
             self.model, model_name, [(c, int(self.sizes[c])) for c in self.training_clients], cfg.batch_size,
             lambda cid: self.data.transform(self.data.client(cid).x[:1], True,

@@ -605,3 +605,12 @@ def test_every_option_name_shared_by_methods_is_declared_one_meaning_or_method_s
                         and n not in SHARED_MEANING)
     assert not undeclared, f"options defined by several methods, neither one meaning nor method_specific: {undeclared}"
     assert {n for n in SHARED_MEANING if len(definitions.get(n, {})) > 1} == SHARED_MEANING  # no stale entry
+
+
+def test_per_label_accuracy_of_a_method_without_a_global_model_is_refused(capsys, tmp_path):
+    """--per-label-accuracy is the global model's, per label; FD trains none, and the flag would
+    silently report nothing."""
+    err = refused(["--algo", "fd", "--per-label-accuracy", *TINY], capsys, tmp_path)
+    assert err == ("error: --per-label-accuracy reports the global model's accuracy per label, and fd trains no "
+                   "global model (its devices keep their own: local_test_accuracy*, reference_device_accuracy); "
+                   "drop the flag\n"), err
