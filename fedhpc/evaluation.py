@@ -273,9 +273,10 @@ class Evaluation:
         out = {
             "cold_start_accuracy": float(table[1].sum() / table[2].sum()),
             "cold_start_accuracy_mean": float(after.mean()),
-            "cold_start_accuracy_global_model": float(table[0].sum() / table[2].sum()),
             "cold_start_clients": len(self.cold_start),
         }
+        if self.algo.has_global_model:  # else it is the untrained initial model's
+            out["cold_start_accuracy_global_model"] = float(table[0].sum() / table[2].sum())
         if "local_test_accuracy_mean" in trained:
             # the participation gap: what a client that never trained loses against one that did
             out["participation_gap"] = trained["local_test_accuracy_mean"] - out["cold_start_accuracy_mean"]

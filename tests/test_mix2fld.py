@@ -210,6 +210,43 @@ def test_fd_reports_its_devices_models_and_no_global_test_accuracy(tmp_path):
                            f"(their local splits) after 3 rounds; fd trains no global model"), line
 
 
+@pytest.mark.parametrize("epochs", [0, 2])
+def test_a_cold_start_fd_device_trains_its_own_model_distilling_from_the_final_outputs(epochs):
+    """FD has no global model to hand a device that joins after training: a cold-start device trains
+    one of its own from the initial model, --finetune-epochs epochs of Eq. 3 with the last global
+    outputs as teacher (the batches of round T, as every adaptation), and is evaluated on its split;
+    0 epochs leave the untrained initial model. No global-model column: that is FD's initial model."""
+    import torch.nn.functional as F
+    from reference_steps import autograd, batch_indices, start_model
+
+    argv = ["--algo", "fd", *COMMON, "--num-clients", "6", "--clients-per-round", "4", "--cold-start-fraction",
+            "0.34", "--finetune-epochs", str(epochs), "--beta", "0.5"]
+    eng = Engine(*parse_args(argv), World(threads=1))
+    for t in range(2):
+        eng.run_round(t)
+    got = eng._evaluate_cold_start({})
+    assert got["cold_start_clients"] == 2 and "cold_start_accuracy_global_model" not in got
+    cfg, beta, (g, has) = eng.cfg, eng.algo.options.beta, eng.algo.teacher
+    hits, counts = 0, 0
+    for cid in eng.cold_start:
+        c = eng.data.client(cid)
+        m = start_model(eng)
+        for epoch in range(epochs):
+            for idx in batch_indices(cfg.seed, 2, cid, epoch, c.num_train, cfg.batch_size):
+                logits, y = m(c.x[idx].double()), c.y[idx]
+                psi = [-(g[y[i]].double() * F.log_softmax(logits[i], -1)).sum() * has[y[i]] for i in range(len(y))]
+                grads = autograd(m, F.cross_entropy(logits, y) + beta * sum(psi) / len(y))
+                with torch.no_grad():
+                    for prm, gr in zip(m.parameters(), grads):
+                        prm -= cfg.lr * gr
+        x, y = eng.data.client_test_split(cid)
+        with torch.no_grad():
+            hits += int((m(x.double()).argmax(-1) == y).sum())
+        counts += len(y)
+    assert got["cold_start_accuracy"] == pytest.approx(hits / counts, abs=1e-12)
+
+
+
 # ----------------------------------------------------------------------------- which seeds arrive (--seed-delivery)
 
 # 6 devices, all in every round; one uplink channel shared by 6: 416 bytes per good slot, so a

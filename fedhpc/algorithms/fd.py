@@ -42,10 +42,16 @@ from .base import Algorithm, task_loss
 @dataclass
 class FDOptions:
     beta: float = field(default=0.01, metadata={"help": "weight beta of the distillation regulariser (paper 0.01)"})
+    finetune_epochs: int = field(default=4, metadata={
+        "help": "epochs a cold-start device (--cold-start-fraction) or --final-adapt trains a model of its own "
+                "from the initial one by Eq. 3, the final global outputs as teacher, before it is evaluated (the "
+                "personalised baselines' r = 4, pMixFed App. 10.1; 0 = the untrained initial model)"})
 
     def validate(self):
         if not self.beta >= 0:
             raise ConfigError(f"--beta must be >= 0, got {self.beta}")
+        if self.finetune_epochs < 0:
+            raise ConfigError(f"--finetune-epochs must be >= 0, got {self.finetune_epochs}")
 
 
 def label_relative_change(previous: torch.Tensor, current: torch.Tensor) -> float:
@@ -123,6 +129,15 @@ class FD(Algorithm):
         if g is not None:
             self.teacher = tuple(t.to(self.flat.flat.dtype) for t in g)
         return global_state  # FD has no global model
+
+    def adapt(self, model, ctx):
+        """A device that joins after training (--cold-start-fraction) has no model to take: it
+        trains its own from the initial one (``model`` holds it, FD's global state) for
+        ``finetune_epochs`` epochs of Eq. 3, distilling from the last global outputs."""
+        ctx.extra["teacher"] = self.teacher
+        ctx.extra["outputs"] = label_outputs.LabelOutputs(self.num_classes, self.device)  # Eq. 2's sums: not sent
+        if self.options.finetune_epochs > 0:
+            self.local_update(model, ctx, epochs=self.options.finetune_epochs)
 
     def client_model(self, cid):
         state = self.client_state.get_slot(cid, "algo")
