@@ -393,3 +393,26 @@ def test_command_on_next_char_data_against_exact_hessian(text_run, tmp_path):
     assert abs(res["loss"] - float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))) < 1e-10
     ev = torch.linalg.eigvalsh(exact_hessian(model, central))
     assert abs(res["lambda_max"] - float(ev[ev.abs().argmax()])) < 1e-6 * float(ev.abs().max())
+
+
+def test_a_run_without_a_global_model_is_measured_at_its_client_models_only(tmp_path, capsys):
+    """FD trains no global model, so its final_model.pt is the untrained initial one: lambda_max,
+    the trace or H_k at it are refused, naming the ways out; its saved client models are measured."""
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+
+    out = str(tmp_path / "fd")
+    Engine(*parse_args(["--algo", "fd", "--dataset", "digits", "--model", "mlp", "--model-opt", "hidden=2",
+                        "--num-clients", "3", "--clients-per-round", "3", "--rounds", "1", "--seed", "2",
+                        "--threads", "1", "--quiet", "--no-tensorboard", "--save-client-models", "last",
+                        "--out", out]), World(threads=1)).run()
+    want = ("error: fd trains no global model: the run's final_model.pt is its untrained initial model. Measure "
+            "the saved client models alone (--skip-global, --matching-model client) or name a model file with "
+            "--model\n")
+    for extra in ([], ["--skip-matching"], ["--skip-global", "--matching-model", "global"]):
+        assert main([out, *QUICK, *extra]) == 2
+        assert capsys.readouterr().err == want
+    assert not os.path.exists(os.path.join(out, "hessian.json"))
+    assert main([out, *QUICK, "--skip-global"]) == 0
+    result = json.load(open(os.path.join(out, "hessian.json")))
+    assert "global" not in result and result["matching"]["clients"] == [0, 1, 2]

@@ -195,6 +195,7 @@ def analyse(args, world) -> Dict[str, object]:
     result: Dict[str, object] = {"run_dir": os.path.abspath(args.run_dir), "algo": run.cfg.algo,
                                  "seed": args.seed, "dtype": args.dtype, "ranks": world.size}
 
+    _check_global_model(run, args)
     plan = None if args.skip_matching else _matching_plan(run, args)
     # Every model file is read once before any Hessian work: a truncated file found after an
     # hour of power iterations would waste the hour. Client models are checked by the rank that
@@ -227,6 +228,18 @@ def analyse(args, world) -> Dict[str, object]:
     if not args.skip_matching:
         result["matching"] = _matching(run, args, plan, central, n_central, world)
     return result
+
+
+def _check_global_model(run: RunAnalysis, args) -> None:
+    """A run of a method that trains no global model (FD) wrote its untrained initial model as
+    final_model.pt: lambda_max, the trace or H_k at that model would describe initialisation."""
+    from ..algorithms import ALGORITHMS
+
+    uses_global = not args.skip_global or (not args.skip_matching and args.matching_model == "global")
+    if args.model is None and uses_global and not ALGORITHMS.get(run.cfg.algo).has_global_model:
+        raise ConfigError(f"{run.cfg.algo} trains no global model: the run's final_model.pt is its untrained initial "
+                          f"model. Measure the saved client models alone (--skip-global, --matching-model client) "
+                          f"or name a model file with --model")
 
 
 def _matching_plan(run: RunAnalysis, args) -> Tuple[Optional[int], List[Tuple[int, str]]]:
