@@ -180,7 +180,6 @@ def test_fd_logs_the_largest_label_change_and_a_resumed_run_logs_the_same(tmp_pa
     assert [r.get("relative_change") for r in whole][1:] == pytest.approx([r["relative_change"] for r in rows[1:]])
 
 
-
 def test_fd_reports_its_devices_models_and_no_global_test_accuracy(tmp_path):
     """FD trains no global model: its global state stays the initial model, so the run reports no
     test accuracy or loss (that model's) and no global model on the local splits, yet logs every
@@ -244,7 +243,6 @@ def test_a_cold_start_fd_device_trains_its_own_model_distilling_from_the_final_o
             hits += int((m(x.double()).argmax(-1) == y).sum())
         counts += len(y)
     assert got["cold_start_accuracy"] == pytest.approx(hits / counts, abs=1e-12)
-
 
 
 # ----------------------------------------------------------------------------- which seeds arrive (--seed-delivery)
