@@ -500,3 +500,35 @@ def test_plots_mark_sampled_local_rounds_hollow_and_draw_the_reference_device_ag
     assert list(line.get_xdata()) == [1.5, 2.0, 3.0] and list(line.get_ydata()) == pytest.approx([20.0, 30.0, 50.0])
     for name in names:
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_target_of_another_accuracy_skips_sampled_rounds_and_says_where_it_is_not_logged(sweep_dir, tmp_path,
+                                                                                            capsys):
+    """--target-metric: the round at which that accuracy first reaches --target; a round that
+    evaluated a sample of the clients does not count (as for best); runs that do not log the metric
+    (FD has no test_accuracy) are "not logged", not "never"; a metric no run logs is refused."""
+    runs = _copy_runs(sweep_dir, tmp_path / "runs")
+    for run, values in zip(runs, ([0.95, 0.5, 0.93], [0.2, 0.91, 0.99])):
+        for i, v in enumerate(values):
+            _set_at(run, i, local_test_accuracy_mean=v)
+    _set_at(runs[0], 0, local_eval_clients=3)  # round 1's 0.95 is over a sample of the clients
+    out = tmp_path / "rep"
+    args = [str(tmp_path / "runs"), "--out", str(out), "--target", "0.9"]
+    assert report_main(args + ["--target-metric", "local_test_accuracy_mean"]) == 0
+    (group,) = json.loads((out / "summary.json").read_text())["groups"]
+    assert group["target"]["metric"] == "local_test_accuracy_mean" and group["target"]["round"]["values"] == [3, 2]
+    assert "| round to 90% local_test_accuracy_mean |" in (out / "report.md").read_text()
+
+    for run in runs:  # as FD's rows: no global model, no test_accuracy
+        rows = [{k: v for k, v in r.items() if k not in ("test_accuracy", "test_loss")} for r in _records(run)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report_main(args + ["--target-metric", "reference_device_accuracy"]) == 2
+    assert capsys.readouterr().err == ("error: --target-metric reference_device_accuracy: no run here logs it; "
+                                       "accuracies they log: local_test_accuracy, local_test_accuracy_mean, "
+                                       "local_test_accuracy_worst10\n")
+    extra = tmp_path / "runs" / "with_test_accuracy"
+    shutil.copytree(sweep_dir / "runs" / sorted(os.listdir(sweep_dir / "runs"))[-1], extra)
+    assert report_main(args) == 0
+    fd_like, logged = (next(line for line in (out / "report.md").read_text().splitlines()
+                            if line.startswith("| ") and f"| {algo} |" in line) for algo in ("fedavg", "fedprox"))
+    assert "| – (not logged) |" in fd_like and "| never (0/1) |" in logged, (fd_like, logged)

@@ -11,7 +11,7 @@ from ..io import atomic_write_json, atomic_write_text, probe_write
 from .plots import LeftOut, left_out_rows, plot_groups
 from .render import Document, fmt_stat, fmt_value, unit_of
 from .runs import Group, Run, find_runs, group_runs, varying_settings
-from .summary import (best_stats, final_stats, metric_names, no_final_value, reference_comparison,
+from .summary import (best_stats, can_be_reached, final_stats, metric_names, no_final_value, reference_comparison,
                       time_to_target)
 
 
@@ -45,8 +45,9 @@ def _check_out_dir(out_dir: str) -> None:
 
 
 def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
-                 title: Optional[str] = None) -> Dict[str, Any]:
-    """Write the report of the runs under ``roots`` into ``out_dir``; returns summary.json's content."""
+                 title: Optional[str] = None, target_metric: str = "test_accuracy") -> Dict[str, Any]:
+    """Write the report of the runs under ``roots`` into ``out_dir``; returns summary.json's content.
+    ``target``: also the round at which ``target_metric`` first reaches it."""
     for root in roots:
         if not os.path.isdir(root):
             raise ConfigError(f"{root} is not a folder; pass folders holding runs (each with config.yaml "
@@ -65,6 +66,9 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
     keys = ["algo", "dataset"] + [k for k in varying if k not in ("algo", "dataset")]
     labels = [_label(g, varying or ["algo"]) for g in groups]
     names = metric_names(groups)
+    if target is not None and target_metric not in names:
+        accuracies = ", ".join(m for m in names if can_be_reached(m)) or "none"
+        raise ConfigError(f"--target-metric {target_metric}: no run here logs it; accuracies they log: {accuracies}")
 
     summaries = []
     for i, (g, label) in enumerate(zip(groups, labels), 1):
@@ -80,7 +84,7 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
             "_finals": finals, "_bests": bests,
         })
         if target is not None:
-            summaries[-1]["target"] = time_to_target(g, target)
+            summaries[-1]["target"] = time_to_target(g, target, target_metric)
 
     doc = Document(title or _default_title(roots))
     n_fin = sum(len(g.runs) for g in groups)
@@ -94,7 +98,7 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
     left_out_of_plots: List[Dict[str, Any]] = []
     if groups:
         doc.heading("Results")
-        doc.table(_main_table(summaries, keys, names, target))
+        doc.table(_main_table(summaries, keys, names, target, target_metric))
         refs = [f"#{s['row']}: {s['comparison']['source']} ({s['comparison']['stat']} {s['comparison']['metric']}"
                 f"{' in %' if s['comparison']['unit'] == '%' else ''})" for s in summaries if s["comparison"]]
         if refs:
@@ -159,7 +163,8 @@ def _over(stat, metric: str, summary: Dict[str, Any]) -> str:
     return f"{cell} (over {have} of {summary['n']} runs)"
 
 
-def _main_table(summaries, keys: List[str], names: List[str], target: Optional[float]):
+def _main_table(summaries, keys: List[str], names: List[str], target: Optional[float],
+                target_metric: str = "test_accuracy"):
     accs = [m for m in ("test_accuracy", "local_test_accuracy") if m in names]
     header = ["#"] + keys + ["seeds"]
     for m in accs:
@@ -170,7 +175,7 @@ def _main_table(summaries, keys: List[str], names: List[str], target: Optional[f
     if sim:
         header.append("sim. time (s)")
     if target is not None:
-        header.append(f"round to {100 * target:g}%")
+        header.append(f"round to {100 * target:g}%" + ("" if target_metric == "test_accuracy" else f" {target_metric}"))
     refs = any(s["comparison"] for s in summaries)
     if refs:
         header += ["paper", "ours (paper's metric)"]
@@ -187,7 +192,8 @@ def _main_table(summaries, keys: List[str], names: List[str], target: Optional[f
         if target is not None:
             t = s["target"]
             unreadable = f", {len(t['unreadable'])} unreadable" if t["unreadable"] else ""
-            row.append((fmt_stat(t["round"], "round") if t["round"] else "never") +
+            row.append("– (not logged)" if not t["logged"] else
+                       (fmt_stat(t["round"], "round") if t["round"] else "never") +
                        f" ({t['reached']}/{t['of']}{unreadable})")
         if refs:
             c = s["comparison"]

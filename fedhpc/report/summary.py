@@ -59,6 +59,11 @@ def is_accuracy(metric: str) -> bool:
     return "accuracy" in metric
 
 
+def can_be_reached(metric: str) -> bool:
+    """An accuracy a run can reach (a target's metric): not a spread across clients (``_std``)."""
+    return is_accuracy(metric) and not metric.endswith("_std")
+
+
 def _numeric(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -103,16 +108,20 @@ def no_final_value(group: Group, names: List[str]) -> Dict[str, List[Tuple[str, 
     return out
 
 
+def _sampled(metric: str, rec: dict) -> bool:
+    """Whether ``rec``'s value of ``metric`` is over a seeded sample of the clients (--local-eval-clients):
+    an estimate, whose maximum or first crossing of a target is biased by the noise."""
+    return metric.startswith("local_test_accuracy") and "local_eval_clients" in rec
+
+
 def best_stats(group: Group, names: List[str]) -> Dict[str, Stat]:
     out = {}
     for m in names:
         if not m.endswith("accuracy"):  # not their spreads (local_test_accuracy_std) or tails
             continue
         vals = []
-        sampled_out = m.startswith("local_test_accuracy")  # a record's clients' accuracies over a sample
         for r in group.runs:
-            seen = [float(rec[m]) for rec in r.records
-                    if _numeric(rec.get(m)) and not (sampled_out and "local_eval_clients" in rec)]
+            seen = [float(rec[m]) for rec in r.records if _numeric(rec.get(m)) and not _sampled(m, rec)]
             if seen:
                 vals.append(max(seen))
         if vals:
@@ -125,10 +134,13 @@ def time_to_target(group: Group, target: float, metric: str = "test_accuracy") -
 
     A run whose first record at the target has no whole-number round (a hand-edited file) is
     listed under ``unreadable`` and left out of the statistics: taking its next readable record
-    instead would report a later round than the run reached it in."""
+    instead would report a later round than the run reached it in. Records over a sample of the
+    clients do not count (as for ``best``); ``logged`` says whether any run of the group logs the
+    metric at all (FD, for one, has no test_accuracy: its target is not "never" reached)."""
     rounds, bytes_, sims, unreadable = [], [], [], []
     for r in group.runs:
-        hit = next((rec for rec in r.records if _numeric(rec.get(metric)) and rec[metric] >= target), None)
+        hit = next((rec for rec in r.records if _numeric(rec.get(metric)) and rec[metric] >= target
+                    and not _sampled(metric, rec)), None)
         if hit is None:
             continue
         if not _readable_round(hit.get("round")):
@@ -140,7 +152,9 @@ def time_to_target(group: Group, target: float, metric: str = "test_accuracy") -
             bytes_.append(float(sum(traffic)))
         if _numeric(hit.get("sim_seconds_total")):
             sims.append(float(hit["sim_seconds_total"]))
-    return {"reached": len(rounds), "of": len(group.runs) - len(unreadable), "unreadable": unreadable,
+    logged = any(metric in rec for r in group.runs for rec in r.records)
+    return {"metric": metric, "logged": logged, "reached": len(rounds), "of": len(group.runs) - len(unreadable),
+            "unreadable": unreadable,
             "round": Stat(rounds) if rounds else None, "bytes": Stat(bytes_) if bytes_ else None,
             "sim_seconds": Stat(sims) if sims else None}
 
