@@ -675,3 +675,17 @@ def test_a_finished_run_dealt_under_older_partition_rules_is_refused(tmp_path, c
     (runs / p1.id / "identity.json").write_text("{")
     assert sweep_main([path, "--local", "--dry-run"]) == 0
     assert f"{p1.id}: damaged ({runs / p1.id / 'identity.json'} cannot be read" in capsys.readouterr().out
+
+
+def test_a_finished_point_names_its_headline_accuracy(tmp_path, capsys):
+    """The line after a point ran names the global model's test accuracy; FD has none and names its
+    devices' mean accuracy on their splits instead (it named nothing)."""
+    path = write_grid(tmp_path, {"base": {**TINY, "rounds": 1}, "axes": {"algo": ["fedavg", "fd"]}})
+    assert sweep_main([path, "--local"]) == 0
+    done = [line.strip() for line in capsys.readouterr().out.splitlines() if "done:" in line]
+    runs = tmp_path / "sweep" / "runs"
+    last = {p.name.split("-")[1].split("_")[0]: json.loads((p / "metrics.jsonl").read_text().splitlines()[-1])
+            for p in runs.iterdir()}
+    assert [d.split(",")[0] for d in done] == [f"done: test_accuracy {last['fedavg']['test_accuracy']:.4f}",
+                                              f"done: local_test_accuracy_mean "
+                                              f"{last['fd']['local_test_accuracy_mean']:.4f}"]
