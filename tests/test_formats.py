@@ -116,6 +116,16 @@ def test_digits_read_from_sklearns_file_are_what_load_digits_gives(bundled, monk
     assert np.array_equal(x[:, 0], d.images.astype(np.float32) / 16.0) and np.array_equal(y, d.target)
 
 
+def test_an_unreadable_bundled_digits_file_is_left_to_load_digits(monkeypatch):
+    import fedhpc.data.digits as digits
+
+    def unreadable(*a, **k):
+        raise OSError("Permission denied")
+
+    monkeypatch.setattr(digits.np, "loadtxt", unreadable)
+    assert digits.bundled_digits_csv() is None
+
+
 # --------------------------------------------------------------------------- IDX
 
 
