@@ -23,7 +23,7 @@ import numpy as np
 
 from ..io import atomic_write_bytes
 from .runs import Group
-from .summary import _numeric, _readable_round
+from .summary import _numeric, _readable_round, is_sampled
 
 XAxis = Callable[[List[dict]], List[float]]
 #: (run path, field, the value as JSON, record index): a record left out of a plot
@@ -85,11 +85,11 @@ def curve(group: Group, metric: str, x: XAxis, left_out: Optional[LeftOut] = Non
     return xs.mean(axis=0), ys.mean(axis=0), std
 
 
-def sampled_rounds(group: Group) -> List[float]:
-    """Rounds at which some run of the group evaluated its clients' models over a sample of them
+def sampled_rounds(group: Group, metric: str) -> List[float]:
+    """Rounds at which some run of the group logged ``metric`` over a sample of the clients
     (--local-eval-clients): an unbiased but noisier estimate than the rounds covering every client."""
     return sorted({float(rec["round"]) for r in group.runs for rec in r.records
-                   if "local_eval_clients" in rec and _readable_round(rec.get("round"))})
+                   if is_sampled(metric, rec) and _readable_round(rec.get("round"))})
 
 
 def _save(fig, path: str) -> None:
@@ -145,8 +145,8 @@ def plot_groups(groups: List[Group], labels: List[str], out_dir: str,
             line, = ax.plot(xs, 100 * mean, marker="o", markersize=3, label=f"{label} (n={len(g.runs)})")
             if len(g.runs) > 1:
                 ax.fill_between(xs, 100 * (mean - std), 100 * (mean + std), color=line.get_color(), alpha=0.2)
-            if metric.startswith("local_test_accuracy") and x is _rounds:
-                hollow = np.isin(xs, sampled_rounds(g))
+            if x is _rounds:
+                hollow = np.isin(xs, sampled_rounds(g, metric))
                 if hollow.any():
                     ax.plot(xs[hollow], 100 * mean[hollow], linestyle="none", marker="o", markersize=5,
                             markerfacecolor="white", color=line.get_color())

@@ -108,7 +108,7 @@ def no_final_value(group: Group, names: List[str]) -> Dict[str, List[Tuple[str, 
     return out
 
 
-def _sampled(metric: str, rec: dict) -> bool:
+def is_sampled(metric: str, rec: dict) -> bool:
     """Whether ``rec``'s value of ``metric`` is over a seeded sample of the clients (--local-eval-clients):
     an estimate, whose maximum or first crossing of a target is biased by the noise."""
     return metric.startswith("local_test_accuracy") and "local_eval_clients" in rec
@@ -121,7 +121,7 @@ def best_stats(group: Group, names: List[str]) -> Dict[str, Stat]:
             continue
         vals = []
         for r in group.runs:
-            seen = [float(rec[m]) for rec in r.records if _numeric(rec.get(m)) and not _sampled(m, rec)]
+            seen = [float(rec[m]) for rec in r.records if _numeric(rec.get(m)) and not is_sampled(m, rec)]
             if seen:
                 vals.append(max(seen))
         if vals:
@@ -140,7 +140,7 @@ def time_to_target(group: Group, target: float, metric: str = "test_accuracy") -
     rounds, bytes_, sims, unreadable = [], [], [], []
     for r in group.runs:
         hit = next((rec for rec in r.records if _numeric(rec.get(metric)) and rec[metric] >= target
-                    and not _sampled(metric, rec)), None)
+                    and not is_sampled(metric, rec)), None)
         if hit is None:
             continue
         if not _readable_round(hit.get("round")):
