@@ -381,6 +381,16 @@ class World:
                 dist.destroy_process_group()
             except Exception:
                 pass
+        if self._mpi_comm is not None and graceful:
+            # Open MPI's mpiexec counts a rank that leaves without MPI_Finalize as failed (exit 1,
+            # "exiting improperly"), finished run or not, and the launcher leaves by os._exit,
+            # which skips mpi4py's own Finalize at exit. After a failure the ranks are brought
+            # down by abort() instead: Finalize could wait for a peer that is gone.
+            from mpi4py import MPI
+
+            if MPI.Is_initialized() and not MPI.Is_finalized():
+                MPI.Finalize()
+            self._mpi_comm = None
 
     def abort(self, code: int) -> None:
         """Bring every rank down after a fatal error on this one (instead of a hang)."""
