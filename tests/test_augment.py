@@ -388,3 +388,20 @@ def test_imagenet_sized_batch_runs():
     out = t(x, True, torch.Generator().manual_seed(0))
     assert out.shape == (64, 3, 224, 224) and out.dtype == torch.float32 and torch.isfinite(out).all()
     assert t(x, False).shape == (64, 3, 224, 224)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+def test_the_imagenet_transform_on_a_gpu_equals_the_cpu():
+    """On a GPU: the authors' ImageNet training transform (resized crop, flip, jitter in a per-sample
+    order, normalisation) on a CUDA batch, with the draws from the same CPU generator, gives the CPU's
+    tensor; so does the evaluation's centre crop. Float32 interpolation and jitter may differ in the
+    last bits between the two devices' kernels, nothing more."""
+    x = torch.randint(0, 256, (32, 3, 256, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    t = ImageTransform(mean=IMNET[0], std=IMNET[1], flip=True, resized_crop=224, brightness=0.4, contrast=0.4,
+                       saturation=0.4, center_crop=224)
+    cpu = t(x, True, torch.Generator().manual_seed(5))
+    gpu = t(x.cuda(), True, torch.Generator().manual_seed(5))
+    assert gpu.is_cuda and gpu.shape == cpu.shape == (32, 3, 224, 224)
+    assert float((gpu.cpu() - cpu).abs().max()) < 1e-4
+    assert not torch.allclose(cpu, t(x, True, torch.Generator().manual_seed(6)))  # the draws do matter
+    assert torch.equal(t(x.cuda(), False).cpu(), t(x, False))

@@ -567,3 +567,46 @@ def test_fedmix_with_a_batchnorm_model_warns_that_it_can_diverge(norm, recwarn, 
         assert "warning: FedMix with a BatchNorm model can diverge" in capsys.readouterr().err
     else:
         assert not said
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+def test_fedmix_on_an_lstm_on_a_real_gpu_equals_the_cpu_and_needs_cudnn_off():
+    """On a GPU: FedMix's l3 differentiates the LSTM's backward again. With the helper the CUDA loss
+    and weight-gradients equal the CPU's (float64); with cuDNN left on (the helper's device check
+    made to answer "not CUDA") the second backward fails, which is why the helper exists."""
+    import fedhpc.models.double_backward as db
+    from fedhpc.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("lstm_char", (6,), 7, {"hidden": 16, "embed_dim": 8}).double()
+    space, lam = MixSpace("next_char", 7), 0.1
+    g = torch.Generator().manual_seed(3)
+    ids, y = torch.randint(7, (9, 6), generator=g), torch.randint(7, (9, 6), generator=g)
+    pbar = torch.softmax(torch.randn(1, 6, 7, generator=g, dtype=torch.float64), -1)
+    ybar = torch.softmax(torch.randn(1, 6, 7, generator=g, dtype=torch.float64), -1)
+
+    def run(device):
+        m = model.to(device)
+        total = fedmix_loss(space.f(m), space.lift(m, ids.to(device)), space.labels(y.to(device), torch.float64),
+                            space.lift_means(m, pbar.to(device)), ybar.to(device), lam)
+        return total.detach().cpu(), [gr.cpu() for gr in torch.autograd.grad(total, list(m.parameters()))]
+
+    before = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = True
+    try:
+        cpu_total, cpu_grads = run("cpu")
+        gpu_total, gpu_grads = run("cuda")
+        assert torch.allclose(gpu_total, cpu_total, rtol=1e-10, atol=0)
+        for a, b in zip(gpu_grads, cpu_grads):
+            assert float(b.abs().max()) > 0 and torch.allclose(a, b, rtol=1e-8, atol=1e-12)
+        assert torch.backends.cudnn.enabled is True
+        orig = db._on_cuda
+        db._on_cuda = lambda device: False
+        try:
+            with pytest.raises((RuntimeError, NotImplementedError)):
+                run("cuda")
+        finally:
+            db._on_cuda = orig
+    finally:
+        torch.backends.cudnn.enabled = before
+        model.cpu()

@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu/checks.sh [tests] [kernels] [ops] [bench]      (logs under $OUT, default /tmp/fedhpc-gpu)
 # tests: environment, the CUDA extension's JIT build, then on the GPU (the tests' device "auto"
 #        picks it): tests/test_ops.py, tests/test_batched.py, the ranks-sharing-a-GPU tests of
-#        tests/test_distributed.py, tests/test_engine.py
+#        tests/test_distributed.py, tests/test_engine.py, and the GPU-only tests elsewhere (the
+#        ImageNet transform on CUDA, FedMix's double backward through a cuDNN-less LSTM)
 # ops:   benchmarks/bench_ops.py and bench_reproducible_sum.py --device cuda
 # bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; sequential, batched, ranks sharing)
 # The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
@@ -13,6 +14,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # build for the card in hand only: a shorter nvcc run
 # the device machine runs commands as root, which Open MPI's mpiexec refuses without these
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# it has no ssh or rsh either, whose absence stops Open MPI's mpiexec even on one node: `false`
+# is found on PATH and never called (v4 reads rsh_agent, v5 ssh_agent)
+export OMPI_MCA_plm_rsh_agent=${OMPI_MCA_plm_rsh_agent:-false} OMPI_MCA_plm_ssh_agent=${OMPI_MCA_plm_ssh_agent:-false}
 # the real GPU runs the CUDA kernels: no second build of them against the CPU emulation
 export FEDHPC_TEST_NO_CUDA_EMULATION=1
 PY=${PY:-python3}
@@ -26,11 +30,14 @@ tests)
     nproc; } 2>&1 | tee "$OUT/env.txt"
   step "extension build + backends"
   ( time timeout 300 $PY -m fedhpc.ops ) 2>&1 | tee "$OUT/ops_backend.txt"
-  for t in test_ops test_batched test_distributed test_engine; do
+  for t in ${TEST_FILES:-test_ops test_batched test_distributed test_engine}; do
     sel=(); [ $t = test_distributed ] && sel=(-k "backend or sharing")
     step "$t ${sel[*]}"
     timeout 240 $PY -m pytest -q -p no:cacheprovider "tests/$t.py" "${sel[@]}" 2>&1 | tee "$OUT/$t.txt" | tail -12
   done
+  step "GPU-only tests of other files"
+  timeout 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_augment.py tests/test_fedmix.py -k gpu 2>&1 \
+    | tee "$OUT/test_gpu_only.txt" | tail -12
   ;;
 kernels)  # the CUDA ops and the engine on the GPU, quickly
   ( time timeout 300 $PY -m fedhpc.ops ) 2>&1 | tee "$OUT/ops_backend.txt" | tail -3
