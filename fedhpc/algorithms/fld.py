@@ -108,10 +108,11 @@ class FLDOptions(SeedSampleOptions):
 
 def seed_teacher(y_soft: torch.Tensor, table: torch.Tensor, has: torch.Tensor):
     """Teacher rows of seeds with (soft) labels: the label mixture of G_out rows over the labels
-    that have one, renormalised; and whether any such label exists."""
-    w = y_soft.double() * has.double()
+    that have one, renormalised; and whether any such label exists. On the seeds' device (the
+    server set stays on the host; G_out comes from the round's sums, on the run's device)."""
+    w = y_soft.double() * has.to(y_soft.device, torch.float64)
     total = w.sum(1, keepdim=True)
-    return (w @ table.double()) / total.clamp_min(1e-30), (total.squeeze(1) > 0).double()
+    return (w @ table.to(y_soft.device, torch.float64)) / total.clamp_min(1e-30), (total.squeeze(1) > 0).double()
 
 
 @register_algorithm("fld")
