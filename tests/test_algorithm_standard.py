@@ -105,6 +105,49 @@ def test_resumed_run_equals_uninterrupted(algo, tmp_path):
     assert [untimed(r) for r in rows[0]] == [untimed(r) for r in rows[1]]
 
 
+# ----------------------------------------------------------------------------- (a') on a GPU
+
+def _tensors(x):
+    """Every tensor in a (nested) state, in a fixed order, as float64 on the CPU."""
+    if isinstance(x, torch.Tensor):
+        return [x.detach().double().cpu().flatten()] if x.is_floating_point() else []
+    if isinstance(x, dict):
+        return [t for k in sorted(x, key=str) for t in _tensors(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+@pytest.mark.parametrize("algo", ALGOS)
+def test_one_round_on_a_gpu_equals_the_cpu_round(algo, tmp_path):
+    """Every algorithm runs on CUDA, where the server's data, the exchanges' tables and the
+    clients' batches must meet on one device (FLD's teacher rows once did not), and computes
+    the CPU's round: the global model and every client's state within 1% of what the round
+    moved. One round of the BatchNorm model (no dropout masks, whose CUDA draws are not the
+    CPU's), so the difference is float32 rounding, not the dynamics it would feed."""
+    argv = algo_argv(algo, "batchnorm")
+    argv[argv.index("--rounds") + 1] = "1"
+    runs = {}
+    for device in ("cpu", "cuda"):
+        eng, final, states = run_case(argv + ["--device", device, "--out", str(tmp_path / device)],
+                                      World(device, threads=1))
+        assert eng.global_state.device.type == device
+        runs[device] = (torch.cat(_tensors(eng.global_state)), torch.cat(_tensors(states) or [torch.zeros(0)]))
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+
+    cfg, algo_opts, data_opts = parse_args(argv + ["--device", "cpu", "--out", str(tmp_path / "start")])
+    start = torch.cat(_tensors(Engine(cfg, algo_opts, data_opts, World("cpu", threads=1)).global_state))
+    (g_cpu, s_cpu), (g_gpu, s_gpu) = runs["cpu"], runs["cuda"]
+    moved = float((g_cpu - start).abs().max())
+    if moved > 0:  # FD trains no global model: its state is the clients'
+        assert float((g_gpu - g_cpu).abs().max()) <= 0.01 * moved, (algo, moved)
+    assert s_cpu.shape == s_gpu.shape
+    if s_cpu.numel():
+        assert float((s_gpu - s_cpu).abs().max()) <= 0.01 * max(1.0, float(s_cpu.abs().max())), algo
+
+
 # ----------------------------------------------------------------------------- (b) 1 vs 2 ranks
 
 @pytest.fixture(scope="module")
