@@ -39,9 +39,12 @@ def clean_env(**extra) -> dict:
     """The environment without any launcher variables, so a child decides for itself."""
     env = {k: v for k, v in os.environ.items()
            if (not k.startswith(("PMI_", "OMPI_", "SLURM_", "PMIX_", "HYDRA_", "MPIR_"))
-               # settings of the machine, not of a launch: root allowed, and a node without ssh/rsh
-               # (Open MPI refuses to start even one node's ranks when its remote agent is missing)
-               or k.startswith(("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_plm_rsh_agent", "OMPI_MCA_plm_ssh_agent")))
+               # settings of the machine, not of a launch: root allowed, a node without ssh/rsh (Open
+               # MPI refuses to start even one node's ranks when its remote agent is missing), and
+               # its core binding (off where several tests' mpiexec jobs run at once: each would
+               # bind its ranks to the same first cores)
+               or k.startswith(("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_plm_rsh_agent", "OMPI_MCA_plm_ssh_agent",
+                                "OMPI_MCA_hwloc_base_binding_policy")))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU half of issues 12 and 14, run on a lent device machine from the repository root:
-#   bash benchmarks/gpu/checks.sh [tests] [kernels] [ops] [bench]      (logs under $OUT, default /tmp/fedhpc-gpu)
+#   bash benchmarks/gpu/checks.sh [tests] [standard] [kernels] [ops] [bench]      (logs under $OUT, default /tmp/fedhpc-gpu)
 # tests: environment, the CUDA extension's JIT build, then on the GPU (the tests' device "auto"
-#        picks it): tests/test_ops.py, tests/test_batched.py, the ranks-sharing-a-GPU tests of
-#        tests/test_distributed.py, tests/test_engine.py, and the GPU-only tests elsewhere (the
+#        picks it): tests/test_ops.py, tests/test_batched.py, tests/test_distributed.py (under the
+#        machine's Open MPI), tests/test_engine.py, and the GPU-only tests elsewhere (the
 #        ImageNet transform on CUDA, FedMix's double backward through a cuDNN-less LSTM)
+# standard: tests/test_algorithm_standard.py on the GPU (8 workers): every registered algorithm
+#        on CUDA against its CPU round, and the standard set (resume, 1 vs 2 ranks sharing the GPU)
 # ops:   benchmarks/bench_ops.py and bench_reproducible_sum.py --device cuda
 # bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; sequential, batched, ranks sharing)
 # The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
@@ -17,6 +19,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # it has no ssh or rsh either, whose absence stops Open MPI's mpiexec even on one node: `false`
 # is found on PATH and never called (v4 reads rsh_agent, v5 ssh_agent)
 export OMPI_MCA_plm_rsh_agent=${OMPI_MCA_plm_rsh_agent:-false} OMPI_MCA_plm_ssh_agent=${OMPI_MCA_plm_ssh_agent:-false}
+# several tests' mpiexec jobs at once (pytest -n) would each bind their ranks to the same first cores
+export OMPI_MCA_hwloc_base_binding_policy=${OMPI_MCA_hwloc_base_binding_policy:-none}
 # the real GPU runs the CUDA kernels: no second build of them against the CPU emulation
 export FEDHPC_TEST_NO_CUDA_EMULATION=1
 PY=${PY:-python3}
@@ -31,13 +35,18 @@ tests)
   step "extension build + backends"
   ( time timeout 300 $PY -m fedhpc.ops ) 2>&1 | tee "$OUT/ops_backend.txt"
   for t in ${TEST_FILES:-test_ops test_batched test_distributed test_engine}; do
-    sel=(); [ $t = test_distributed ] && sel=(-k "backend or sharing")
+    sel=(); [ $t = test_distributed ] || [ $t = test_batched ] && sel=(-n 4)  # their mpiexec launches in parallel
     step "$t ${sel[*]}"
     timeout 240 $PY -m pytest -q -p no:cacheprovider "tests/$t.py" "${sel[@]}" 2>&1 | tee "$OUT/$t.txt" | tail -12
   done
   step "GPU-only tests of other files"
   timeout 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_augment.py tests/test_fedmix.py -k gpu 2>&1 \
     | tee "$OUT/test_gpu_only.txt" | tail -12
+  ;;
+standard)
+  step "test_algorithm_standard (every algorithm on the GPU)"
+  timeout 420 $PY -m pytest -q -rf -p no:cacheprovider -n 8 tests/test_algorithm_standard.py 2>&1 \
+    | tee "$OUT/test_algorithm_standard.txt" | tail -15
   ;;
 kernels)  # the CUDA ops and the engine on the GPU, quickly
   ( time timeout 300 $PY -m fedhpc.ops ) 2>&1 | tee "$OUT/ops_backend.txt" | tail -3
