@@ -9,7 +9,7 @@ through them.
 from __future__ import annotations
 
 import re
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from .errors import ConfigError
 
@@ -141,7 +141,8 @@ def _cpu_masks(listed: str) -> Optional[List[int]]:
     return masks or None
 
 
-def ranks_sharing_cores(env, launcher: str, local_rank: int, local_size: int) -> tuple:
+def ranks_sharing_cores(env, launcher: str, local_rank: int, local_size: int,
+                        node_masks: Optional[Sequence[Sequence[int]]] = None) -> tuple:
     """(ranks, bound): how many of this node's ranks divide this process's affinity mask.
 
     Not bound (``bound`` False): the mask is the whole step's (or node's), shared by all
@@ -155,7 +156,18 @@ def ranks_sharing_cores(env, launcher: str, local_rank: int, local_size: int) ->
     mpiexec started inside an srun task, the ranks inherit that one task's variables and mask
     and share it. A mask smaller than the node is no signal: a job's cgroup also shrinks the
     mask of an unbound step.
+
+    Under mpiexec the ranks' own masks are compared (``node_masks``: each node-local rank's
+    CPUs, gathered over MPI before the process group exists): Open MPI binds by default (each
+    rank to a core for up to 2 ranks, to a socket beyond), Hydra with ``-bind-to``. Masks
+    that differ mean the launcher bound the ranks, and this rank's CPUs are shared only by
+    the ranks whose masks overlap them. All alike: unbound, shared by the node's ranks.
     """
+    if launcher == "mpi" and node_masks and len(node_masks) == local_size:
+        mine = set(node_masks[local_rank])
+        if not mine or all(set(m) == mine for m in node_masks):
+            return local_size, False
+        return sum(1 for m in node_masks if mine.intersection(m)), True
     if launcher != "srun":
         return local_size, False
     bind = env.get("SLURM_CPU_BIND", "")
@@ -178,7 +190,7 @@ def ranks_sharing_cores(env, launcher: str, local_rank: int, local_size: int) ->
     return sum(1 for t in range(local_size) if masks[t % len(masks)] & mine), True
 
 
-def threads_per_rank(requested: int, cores: int, ranks: int, bound: bool = False) -> tuple:
+def threads_per_rank(requested: int, cores: int, ranks: int, bound: bool = False, binder: str = "srun") -> tuple:
     """(threads, note): ``requested`` or, at 0 (auto), this process's cores / ranks sharing them.
 
     ``note`` (said once, by rank 0) is set when the threads oversubscribe those cores.
@@ -190,7 +202,7 @@ def threads_per_rank(requested: int, cores: int, ranks: int, bound: bool = False
     if threads * ranks > cores:
         if bound:
             shared = f" shared by {ranks} rank(s)" if ranks > 1 else ""
-            note = (f"{threads} thread(s) per rank exceed the {cores} core(s) srun bound this rank to{shared}: "
+            note = (f"{threads} thread(s) per rank exceed the {cores} core(s) {binder} bound this rank to{shared}: "
                     f"rounds run slower than with fewer; drop --threads (then the rank's bound cores) "
                     f"or set it to {auto}")
         else:

@@ -122,6 +122,7 @@ class World:
         self._mpi_comm = None
         init_method = None
         busiest = None  # tasks on the step's fullest node, where srun says
+        node_masks = None  # each node-local rank's CPUs, under mpiexec
         env = os.environ
         if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
             self.launcher = "torchrun"
@@ -138,6 +139,9 @@ class World:
             self.rank, self.size = comm.Get_rank(), comm.Get_size()
             node = comm.Split_type(MPI.COMM_TYPE_SHARED)
             self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+            # whether mpiexec bound the ranks to CPUs of their own (ranks_sharing_cores)
+            if hasattr(os, "sched_getaffinity") and self.local_size > 1:
+                node_masks = node.allgather(sorted(os.sched_getaffinity(0)))
             node.Free()
             if self.size > 1:
                 hosts = comm.allgather(socket.gethostname())
@@ -157,15 +161,16 @@ class World:
 
         # Threads per rank: MPI launchers drop torch to 1 thread, and several ranks on a node
         # must not oversubscribe it, so always set the count explicitly: this process's cores
-        # divided among the ranks that share them (all of the node's, unless srun bound each
-        # task to its own cores: ranks_sharing_cores).
+        # divided among the ranks that share them (all of the node's, unless srun or mpiexec
+        # bound each rank to its own cores: ranks_sharing_cores).
         if hasattr(os, "sched_getaffinity"):
             cores = len(os.sched_getaffinity(0))
-            sharing, bound = ranks_sharing_cores(env, self.launcher, self.local_rank, self.local_size)
+            sharing, bound = ranks_sharing_cores(env, self.launcher, self.local_rank, self.local_size, node_masks)
         else:
             cores, sharing, bound = os.cpu_count(), self.local_size, False
         #: said once by rank 0: more threads than cores makes every rank wait for the others'
-        self.threads, self.thread_note = threads_per_rank(threads, cores, sharing, bound)
+        self.threads, self.thread_note = threads_per_rank(threads, cores, sharing, bound,
+                                                          "mpiexec" if self.launcher == "mpi" else "srun")
         torch.set_num_threads(self.threads)
 
         use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"

@@ -97,6 +97,38 @@ def test_closing_the_world_under_mpiexec_finalizes_mpi(tmp_path):
         assert json.load(open(tmp_path / f"rank{r}.json")) == {"launcher": "mpi", "finalized": True}
 
 
+THREADS_PROBE = """
+import os
+from fedhpc.world import World
+world = World("cpu", threads=max(2, len(os.sched_getaffinity(0))))  # more than a core; all of them unbound
+print(world.rank, repr(world.thread_note), flush=True)
+world.close()
+from fedhpc.launch import exit_now
+exit_now(0)
+"""
+
+
+@pytest.mark.parametrize("bind", [True, False])
+def test_ranks_mpiexec_binds_to_a_core_each_are_told_of_their_own_core(bind):
+    """mpiexec -bind-to core (Open MPI's default for 2 ranks) gives each rank a core of its own:
+    the thread note speaks of that core, not of the node's cores divided by the ranks (which
+    read 1 core / 2 ranks and warned that 1 thread oversubscribed it)."""
+    from conftest import mpiexec
+
+    if bind and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores to bind 2 ranks to")
+    prefix = [mpiexec(), "-n", "2"] + (["-bind-to", "core"] if bind else [])
+    p = subprocess.run(prefix + [sys.executable, "-c", THREADS_PROBE], cwd=REPO, env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = sorted(p.stdout.split("\n")[:2])
+    assert len(lines) == 2, p.stdout
+    if bind:
+        assert all("exceed the 1 core(s) mpiexec bound this rank to" in line for line in lines), p.stdout
+    else:
+        assert all("x 2 rank(s) on this node exceed" in line for line in lines), p.stdout
+
+
 def test_a_rank_that_dies_stops_the_others_with_a_clear_message(tmp_path):
     out = str(tmp_path / "run")
     port = free_port()

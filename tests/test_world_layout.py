@@ -326,3 +326,17 @@ def test_gpu_uuid_reads_the_device_and_ignores_an_empty_one(monkeypatch):
         raise RuntimeError("no CUDA")
     monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
     assert world.gpu_uuid(torch.device("cuda", 0)) is None
+
+
+def test_ranks_mpiexec_bound_share_only_overlapping_masks():
+    """Under mpiexec the ranks' own CPU masks say whether the launcher bound them: Open MPI binds
+    each of up to 2 ranks to a core (and beyond that to a socket) by default, so a rank's mask
+    is its own, not the node's to divide again."""
+    assert layout.ranks_sharing_cores({}, "mpi", 0, 2, [[0], [1]]) == (1, True)              # bound to cores
+    assert layout.ranks_sharing_cores({}, "mpi", 2, 4, [[0, 1, 2, 3], [4, 5, 6, 7]] * 2) == (2, True)  # sockets
+    assert layout.ranks_sharing_cores({}, "mpi", 1, 2, [[0, 1], [0, 1]]) == (2, False)       # not bound
+    assert layout.ranks_sharing_cores({}, "mpi", 1, 2, None) == (2, False)                   # not gathered
+    assert layout.ranks_sharing_cores({}, "mpi", 1, 3, [[0], [1]]) == (3, False)             # not one per rank
+    assert layout.ranks_sharing_cores({}, "torchrun", 0, 2, [[0], [1]]) == (2, False)        # mpiexec's only
+    threads, note = layout.threads_per_rank(2, 1, 1, True, "mpiexec")
+    assert threads == 2 and "exceed the 1 core(s) mpiexec bound this rank to" in note
