@@ -110,14 +110,14 @@ exit_now(0)
 
 @pytest.mark.parametrize("bind", [True, False])
 def test_ranks_mpiexec_binds_to_a_core_each_are_told_of_their_own_core(bind):
-    """mpiexec -bind-to core (Open MPI's default for 2 ranks) gives each rank a core of its own:
+    """mpiexec --bind-to core (Open MPI's default for 2 ranks) gives each rank a core of its own:
     the thread note speaks of that core, not of the node's cores divided by the ranks (which
     read 1 core / 2 ranks and warned that 1 thread oversubscribed it)."""
     from conftest import mpiexec
 
     if bind and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores to bind 2 ranks to")
-    prefix = [mpiexec(), "-n", "2"] + (["-bind-to", "core"] if bind else [])
+    prefix = [mpiexec(), "-n", "2", "--bind-to", "core" if bind else "none"]
     p = subprocess.run(prefix + [sys.executable, "-c", THREADS_PROBE], cwd=REPO, env=clean_env(),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
