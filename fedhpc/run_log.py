@@ -108,7 +108,13 @@ class RunLog:
             print(line, flush=True)
 
     def _final_line(self, final: Dict[str, float]) -> str:
-        if "test_accuracy" in final:
+        partial = getattr(getattr(self, "algo", None), "global_model_is_partial", False)
+        if "test_accuracy" in final and partial and "local_test_accuracy_mean" in final:
+            # the global state's personal layers are the initial ones: the clients' models are the result
+            line = (f"final mean accuracy of the clients' own models {final['local_test_accuracy_mean']:.4f} (their "
+                    f"local splits) after {self.stop_round} rounds; the global model (trained shared part, initial "
+                    f"personal part): test accuracy {final['test_accuracy']:.4f}")
+        elif "test_accuracy" in final:
             line = (f"final test accuracy {final['test_accuracy']:.4f} (test loss {final['test_loss']:.4f}) "
                     f"after {self.stop_round} rounds")
             if "local_test_accuracy_global_model" in final:  # clients kept models of their own

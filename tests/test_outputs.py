@@ -177,8 +177,9 @@ def test_more_threads_than_cores_is_warned_about(tmp_path):
 
 def test_the_final_line_leads_with_the_model_the_method_ends_with():
     """A global model: its test accuracy; clients that kept models of their own (personal methods):
-    also their mean accuracy on their splits, the personalised papers' metric; no global model
-    (FD): the devices' own models first, and it says why there is no test accuracy."""
+    also their mean accuracy on their splits, the personalised papers' metric; a global model whose
+    personal layers stayed initial (FedPer, LG-FedAvg): the clients' own models first; no global
+    model (FD): the devices' own models first, and it says why there is no test accuracy."""
     from types import SimpleNamespace
 
     from fedhpc.run_log import RunLog
@@ -191,6 +192,13 @@ def test_the_final_line_leads_with_the_model_the_method_ends_with():
     assert RunLog._final_line(run, personal) == (
         "final test accuracy 0.9123 (test loss 0.2500) after 7 rounds; clients' own models on their splits: "
         "mean accuracy 0.9568; reference device 4: accuracy 0.5000")
+    # a partial personal method: the global state's personal layers are the initial ones
+    run.algo = SimpleNamespace(global_model_is_partial=True)
+    assert RunLog._final_line(run, personal) == (
+        "final mean accuracy of the clients' own models 0.9568 (their local splits) after 7 rounds; the global "
+        "model (trained shared part, initial personal part): test accuracy 0.9123; reference device 4: "
+        "accuracy 0.5000")
+    del run.algo
     run.cfg.algo = "fd"
     assert RunLog._final_line(run, {"local_test_accuracy_mean": 0.85, "reference_device_accuracy": 0.72,
                                     "sim_seconds_total": 1.5}) == (

@@ -500,3 +500,16 @@ def test_resuming_a_finished_run_reports_the_same_personalised_metrics(algo, tmp
     for k in ("test_accuracy", "local_test_accuracy_mean", "local_test_accuracy_global_model"):
         assert again[k] == first[k], k
         assert evaluated[k] == first[k], k
+
+
+@pytest.mark.parametrize("algo", ["fedper", "lg_fedavg"])
+def test_a_partial_method_leads_its_final_line_with_the_clients_own_models(algo, tmp_path):
+    """The global state of FedPer / LG-FedAvg pairs the averaged shared layers with the initial
+    personal ones: its test accuracy is logged, but the result the run announces is the clients'."""
+    from conftest import FAST
+
+    p = launch([a for a in FAST if a != "--quiet"] + ["--algo", algo, "--rounds", "1", "--out", str(tmp_path / "o")])
+    assert p.returncode == 0, p.stderr
+    final = [line for line in p.stdout.splitlines() if line.startswith("final")]
+    assert len(final) == 1 and final[0].startswith("final mean accuracy of the clients' own models"), p.stdout
+    assert "initial personal part): test accuracy" in final[0]

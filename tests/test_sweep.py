@@ -679,8 +679,9 @@ def test_a_finished_run_dealt_under_older_partition_rules_is_refused(tmp_path, c
 
 def test_a_finished_point_names_its_headline_accuracy(tmp_path, capsys):
     """The line after a point ran names the global model's test accuracy; FD has none and names its
-    devices' mean accuracy on their splits instead (it named nothing)."""
-    path = write_grid(tmp_path, {"base": {**TINY, "rounds": 1}, "axes": {"algo": ["fedavg", "fd"]}})
+    devices' mean accuracy on their splits instead (it named nothing); a partial personal method
+    (FedPer), whose global model has initial personal layers, names both."""
+    path = write_grid(tmp_path, {"base": {**TINY, "rounds": 1}, "axes": {"algo": ["fedavg", "fd", "fedper"]}})
     assert sweep_main([path, "--local"]) == 0
     done = [line.strip() for line in capsys.readouterr().out.splitlines() if "done:" in line]
     runs = tmp_path / "sweep" / "runs"
@@ -688,4 +689,6 @@ def test_a_finished_point_names_its_headline_accuracy(tmp_path, capsys):
             for p in runs.iterdir()}
     assert [d.split(",")[0] for d in done] == [f"done: test_accuracy {last['fedavg']['test_accuracy']:.4f}",
                                               f"done: local_test_accuracy_mean "
-                                              f"{last['fd']['local_test_accuracy_mean']:.4f}"]
+                                              f"{last['fd']['local_test_accuracy_mean']:.4f}",
+                                              f"done: test_accuracy {last['fedper']['test_accuracy']:.4f}"]
+    assert f"local_test_accuracy_mean {last['fedper']['local_test_accuracy_mean']:.4f}, " in done[2]

@@ -203,6 +203,10 @@ class Algorithm:
     #: weights). The global state then stays the initial model, so the engine reports no global
     #: test accuracy (it would be the untrained model's) and leads with the devices' own models
     has_global_model = True
+    #: True where the global state pairs the trained shared part with the *initial* personal part
+    #: (FedPer, FedSim, FedAlt, LG-FedAvg: the personal layers are never sent). Its test accuracy
+    #: is still logged, but the final line leads with the clients' own models, the method's result
+    global_model_is_partial = False
 
     def __init__(self, cfg: "RunConfig", options: Any, model: nn.Module, flat: "FlatModel",
                  data: "FederatedData", comm: "World", client_state: Any):

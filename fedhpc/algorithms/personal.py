@@ -308,6 +308,7 @@ class PartialAlgorithm(PersonalAlgorithm):
     """
 
     uses_client_state = True
+    global_model_is_partial = True
 
     def personal_layers(self) -> List[int]:
         raise NotImplementedError

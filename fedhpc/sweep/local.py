@@ -99,9 +99,10 @@ def run_points(todo, ranks: int, sweep_dir: str, say: Callable[[str], None] = pr
         took = time.perf_counter() - t0
         if code == 0:
             recs = read_metrics(run_dir)
-            # the headline accuracy: the global model's, else (FD: none) the devices' own models'
-            key = next((k for k in ("test_accuracy", "local_test_accuracy_mean") if recs and k in recs[-1]), None)
-            acc = f"{key} {recs[-1][key]:.4f}, " if key else ""
+            # the global model's accuracy and the clients' own models' mean, whichever the run has (FD
+            # has no global model; a partial personal method's global model has initial personal layers)
+            acc = "".join(f"{k} {recs[-1][k]:.4f}, " for k in ("test_accuracy", "local_test_accuracy_mean")
+                          if recs and k in recs[-1])
             say(f"      done: {acc}{took:.1f} s")
         elif code in INTERRUPTED_CODES:
             say(f"      stopped by a signal (exit {code}) after {took:.1f} s: run the same command again to resume")
