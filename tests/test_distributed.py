@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BIN, FAST, REPO, clean_env, final_weights, free_port, launch, max_diff
+from conftest import BIN, FAST, REPO, clean_env, final_weights, free_port, launch, max_diff, mpiexec
 from fedhpc.run_log import WALL_CLOCK_METRICS
 
 # Bit for bit on the CPU (see test_algorithm_standard's test (b) for what that rests on).
@@ -69,18 +69,27 @@ def test_two_ranks_print_progress_and_describe_world(tmp_path):
     assert "final test accuracy" in p.stdout
 
 
-FINALIZED_PROBE = """
+WORLD_PROBE = """
 import json, os, sys
 from mpi4py import MPI
 from fedhpc.world import World
-world = World("cpu", threads=1)
-rank, launcher = world.rank, world.launcher
+world = World("cpu", threads=max(2, len(os.sched_getaffinity(0))))  # more than a core; all of them unbound
+rank, launcher, note = world.rank, world.launcher, world.thread_note
 world.close()
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
-    json.dump({"launcher": launcher, "finalized": MPI.Is_finalized()}, f)
+    json.dump({"launcher": launcher, "finalized": MPI.Is_finalized(), "thread_note": note}, f)
 from fedhpc.launch import exit_now
 exit_now(0)
 """
+
+
+def open_and_close_a_world(out, bind: str = "none") -> list:
+    """Each of 2 mpiexec ranks opens a World and closes it: [rank 0's, rank 1's] launcher, whether
+    MPI is finalized after the close, and the thread note."""
+    p = subprocess.run([mpiexec(), "-n", "2", "--bind-to", bind, sys.executable, "-c", WORLD_PROBE, str(out)],
+                       cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.load(open(out / f"rank{r}.json")) for r in range(2)]
 
 
 def test_closing_the_world_under_mpiexec_finalizes_mpi(tmp_path):
@@ -88,45 +97,22 @@ def test_closing_the_world_under_mpiexec_finalizes_mpi(tmp_path):
     fails a job whose ranks skip MPI_Finalize (exit 1, "exiting improperly") even when the run
     finished: a lent GPU machine's Open MPI failed every mpiexec test that way. World.close
     finalizes MPI itself. (MPICH's mpiexec, this suite's, lets it pass: hence the direct check.)"""
-    from conftest import mpiexec
-
-    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", FINALIZED_PROBE, str(tmp_path)], cwd=REPO,
-                       env=clean_env(), capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    for r in range(2):
-        assert json.load(open(tmp_path / f"rank{r}.json")) == {"launcher": "mpi", "finalized": True}
-
-
-THREADS_PROBE = """
-import os
-from fedhpc.world import World
-world = World("cpu", threads=max(2, len(os.sched_getaffinity(0))))  # more than a core; all of them unbound
-print(world.rank, repr(world.thread_note), flush=True)
-world.close()
-from fedhpc.launch import exit_now
-exit_now(0)
-"""
+    for rank in open_and_close_a_world(tmp_path):
+        assert (rank["launcher"], rank["finalized"]) == ("mpi", True)
 
 
 @pytest.mark.parametrize("bind", [True, False])
-def test_ranks_mpiexec_binds_to_a_core_each_are_told_of_their_own_core(bind):
+def test_ranks_mpiexec_binds_to_a_core_each_are_told_of_their_own_core(bind, tmp_path):
     """mpiexec --bind-to core (Open MPI's default for 2 ranks) gives each rank a core of its own:
     the thread note speaks of that core, not of the node's cores divided by the ranks (which
     read 1 core / 2 ranks and warned that 1 thread oversubscribed it)."""
-    from conftest import mpiexec
-
     if bind and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores to bind 2 ranks to")
-    prefix = [mpiexec(), "-n", "2", "--bind-to", "core" if bind else "none"]
-    p = subprocess.run(prefix + [sys.executable, "-c", THREADS_PROBE], cwd=REPO, env=clean_env(),
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    lines = sorted(p.stdout.split("\n")[:2])
-    assert len(lines) == 2, p.stdout
+    notes = [rank["thread_note"] for rank in open_and_close_a_world(tmp_path, "core" if bind else "none")]
     if bind:
-        assert all("exceed the 1 core(s) mpiexec bound this rank to" in line for line in lines), p.stdout
+        assert all("exceed the 1 core(s) mpiexec bound this rank to" in note for note in notes), notes
     else:
-        assert all("x 2 rank(s) on this node exceed" in line for line in lines), p.stdout
+        assert all("x 2 rank(s) on this node exceed" in note for note in notes), notes
 
 
 def test_a_rank_that_dies_stops_the_others_with_a_clear_message(tmp_path):
