@@ -1,4 +1,5 @@
-"""fedhpc's package, plus the optional native extension fedhpc.ops._ext (csrc/).
+"""The optional native extension fedhpc.ops._ext (csrc/); the package's metadata and
+dependencies are in pyproject.toml, which setuptools reads beside this file.
 
 The extension is built when torch and a C++ compiler are there (its CUDA kernels too when torch
 has CUDA and nvcc is found), and never stops the install: without a compiler, with
@@ -13,7 +14,7 @@ import os
 import shutil
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -102,30 +103,4 @@ def native_extension():
 
 ext_modules, cmdclass = native_extension()
 
-setup(
-    name="fedhpc",
-    version="0.1.0",
-    description="Cluster-scale simulation of federated learning with mixup-family algorithms",
-    long_description=open("README.md").read() if os.path.exists("README.md") else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
-    packages=find_packages(include=["fedhpc", "fedhpc.*"]),
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    install_requires=[
-        "torch==2.13.0",
-        "numpy>=1.24",
-        "scikit-learn>=1.2",
-        "PyYAML>=6",
-    ],
-    extras_require={
-        # MPI launch/bootstrap; tensor collectives still go through torch.distributed (gloo/NCCL).
-        "mpi": ["mpi4py>=3.1", "mpich>=4"],
-        # Per-client HDF5 stores and TFF-format federated files.
-        "h5": ["h5py>=3.8"],
-        "tensorboard": ["tensorboard>=2.12"],
-        "test": ["pytest>=7", "mpi4py>=3.1", "mpich>=4", "h5py>=3.8", "tensorboard>=2.12"],
-        "all": ["mpi4py>=3.1", "mpich>=4", "h5py>=3.8", "tensorboard>=2.12", "pytest>=7"],
-    },
-    entry_points={"console_scripts": ["fedhpc=fedhpc.launch:main"]},
-)
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
