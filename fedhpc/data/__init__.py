@@ -80,7 +80,7 @@ def register_dataset(name: str, options: Optional[Type] = None, help: str = ""):
 
 # Modules that register datasets when imported. Optional readers (HDF5 etc.) import their
 # heavy dependencies lazily inside the builder, so listing them here costs nothing.
-_DATASET_MODULES = ["digits", "readers", "synthetic"]
+_DATASET_MODULES = ["digits", "mnist5k", "readers", "synthetic"]
 
 
 def load_dataset_modules() -> None:
