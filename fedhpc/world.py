@@ -367,11 +367,13 @@ class World:
         if self.size > 1:
             self._guard("barrier", dist.barrier, group=self._cpu_group)
 
-    def close(self, graceful: bool = True) -> None:
+    def close(self, graceful: bool = True, finalize_mpi: bool = True) -> None:
         """Destroy the process group: torch's gloo aborts at exit when it is left alive.
 
         ``graceful=False`` (a peer died or this rank failed alone) skips the closing barrier,
-        which would otherwise wait for a rank that will never come.
+        which would otherwise wait for a rank that will never come. ``finalize_mpi=False`` leaves
+        MPI initialised for a later World in this process (``fedhpc.run`` called again; MPI cannot
+        be initialised twice), and mpi4py finalises it when the interpreter exits.
         """
         if self.size > 1 and dist.is_initialized():
             try:
@@ -386,7 +388,7 @@ class World:
                 dist.destroy_process_group()
             except Exception:
                 pass
-        if self._mpi_comm is not None and graceful:
+        if self._mpi_comm is not None and graceful and finalize_mpi:
             # Open MPI's mpiexec counts a rank that leaves without MPI_Finalize as failed (exit 1,
             # "exiting improperly"), finished run or not, and the launcher leaves by os._exit,
             # which skips mpi4py's own Finalize at exit. After a failure the ranks are brought
