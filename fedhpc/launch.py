@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import List, Optional
 
@@ -43,20 +44,51 @@ def _check_out_is_writable(cfg) -> None:
                           f"or choose another --out")
 
 
+#: where a run that names no --out writes (relative to the working folder), as scripts/run_main.sh does
+DEFAULT_RUNS_DIR = "runs"
+
+
+def default_run_folder(cfg, now: Optional[float] = None) -> str:
+    """``runs/<algo>_<dataset>_<YYYYmmdd-HHMMSS>`` for a run without --out, made unique with a
+    ``-2``, ``-3``... suffix when a run started in the same second already took the name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    base = os.path.join(DEFAULT_RUNS_DIR, f"{cfg.algo}_{cfg.dataset}_{stamp}")
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """The command line (``python -m fedhpc.launch``, the ``fedhpc`` command): returns the exit code.
+    A run without ``--out`` writes to :func:`default_run_folder` (said on the first line);
+    ``--no-out`` / ``--out none`` write nothing."""
     from .config import launcher_rank, parse_args
 
     world = None
     graceful = True
     cfg = None
+    defaulted: List[str] = []
+
+    def default_out(c) -> str:
+        defaulted.append(default_run_folder(c))
+        return defaulted[-1]
+
     try:
-        cfg, algo_options, data_options = parse_args(argv)
+        cfg, algo_options, data_options = parse_args(argv, default_out=default_out)
         _refuse_existing_run(cfg)
         _check_out_is_writable(cfg)
         from .engine import EXIT_PREEMPTED, Engine, Preempted
         from .world import World
 
         world = World(cfg.device, cfg.threads, cfg.collective_timeout, cfg.collective_backend, cfg.deterministic)
+        if defaulted:
+            # each rank read its own clock: all write where rank 0 does
+            cfg.out = world.broadcast_object(cfg.out)
+            if world.rank == 0:
+                print(f"fedhpc: writing to {cfg.out} (no --out given; --out DIR chooses the folder, --no-out "
+                      f"writes nothing)", flush=True)
         if world.rank == 0 and world.backend_note:
             print(f"note: {world.backend_note}", file=sys.stderr, flush=True)
         if world.rank == 0 and world.thread_note:
@@ -68,7 +100,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if not cfg.out:  # nothing was saved: not the "checkpointed, run again" exit a requeue acts on
                 if world.rank == 0:
                     print(f"stopped by signal after round {p.round_done}; nothing was saved (no --out), so the "
-                          f"run cannot be continued; give --out DIR to make a run resumable",
+                          f"run cannot be continued; give --out DIR (or leave out --no-out) to make a run resumable",
                           file=sys.stderr, flush=True)
                 return 1
             if world.rank == 0:
@@ -123,6 +155,12 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def cli() -> None:
+    """The ``fedhpc`` command (pyproject.toml's entry point): :func:`main`, left as ``python -m
+    fedhpc.launch`` leaves it (:func:`exit_now`)."""
+    exit_now(main())
 
 
 if __name__ == "__main__":

@@ -298,8 +298,8 @@ def test_a_single_sample_batch_batchnorm_cannot_train_on_is_refused_before_any_r
         with pytest.raises(Exception, match="Expected more than 1 value per channel"):
             eng.run_round(0)
     # a batch size that leaves no client a lone sample, or a model that never reaches 1x1, is fine
-    assert main(SINGLE + argv + ["--batch-size", "288"]) == 0
-    assert main(SINGLE + ["--model", "cnn", "--model-opt", "norm=batch", "--batch-size", "287"]) == 0
+    assert main(SINGLE + argv + ["--batch-size", "288", "--no-out"]) == 0
+    assert main(SINGLE + ["--model", "cnn", "--model-opt", "norm=batch", "--batch-size", "287", "--no-out"]) == 0
 
 
 def test_batch_size_one_whose_every_batch_batchnorm_cannot_train_on_is_refused(capsys, tmp_path):
@@ -309,7 +309,7 @@ def test_batch_size_one_whose_every_batch_batchnorm_cannot_train_on_is_refused(c
     assert "client 0 has 288 training samples, so every batch of --batch-size 1 holds one sample" in err
     assert "(4 client(s) have such a batch)" in err and "e.g. --batch-size 2" in err
     # a model whose BatchNorm never sees a 1x1 map trains at batch size 1
-    assert main(SINGLE + ["--model", "cnn", "--model-opt", "norm=batch", "--batch-size", "1"]) == 0
+    assert main(SINGLE + ["--model", "cnn", "--model-opt", "norm=batch", "--batch-size", "1", "--no-out"]) == 0
 
 
 def test_an_empty_yaml_value_is_refused_not_read_as_the_text_none(tmp_path):

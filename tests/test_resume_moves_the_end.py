@@ -109,7 +109,7 @@ def test_a_signal_without_out_does_not_claim_a_checkpoint(capsys):
 
     engine_module.Engine.run_round = signalled
     try:
-        code = launch.main(BASE + ["--rounds", "50"])
+        code = launch.main(BASE + ["--rounds", "50", "--no-out"])
     finally:
         engine_module.Engine.run_round = real
     err = capsys.readouterr().err
