@@ -22,11 +22,16 @@ def test_run_outputs(tmp_path):
     args = [a for a in FAST if a != "--no-tensorboard"] + ["--eval-every", "2", "--rounds", "5"]
     p = launch(args + ["--out", out])
     assert p.returncode == 0, p.stderr
-    recs = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-    assert [r["round"] for r in recs] == [2, 4, 5], "evaluated rounds only, and always the last"
+    every = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["round"] for r in every] == [1, 2, 3, 4, 5], "every round, evaluated or not"
+    for r in every:  # a round off the --eval-every grid keeps what it has: its training metrics
+        assert {"train_loss", "bytes_up", "round_seconds", "lr"} <= r.keys() and r["train_loss"] > 0
+    assert [r["round"] for r in every if "test_accuracy" in r] == [2, 4, 5], "evaluated: every 2nd and the last"
+    recs = [r for r in every if "test_accuracy" in r]
     for r in recs:
         assert REQUIRED <= r.keys()
         assert 0 <= r["test_accuracy"] <= 1 and r["round_seconds"] > 0 and r["eval_seconds"] > 0
+    assert not {"eval_seconds", "test_loss"} & (every[0].keys() | every[2].keys())
     # bytes: 4 clients per round each download and upload the whole model (float32)
     sd = torch.load(os.path.join(out, "final_model.pt"))
     nbytes = 4 * sum(v.numel() for v in sd.values())
@@ -41,9 +46,10 @@ def test_run_outputs(tmp_path):
     ev = EventAccumulator(os.path.join(out, "tensorboard"))
     ev.Reload()
     tags = set(ev.Tags()["scalars"])
-    assert {"test_accuracy", "train_loss", "bytes_up", "round_seconds"} <= tags
-    assert [s.step for s in ev.Scalars("train_loss")] == [1, 2, 3, 4, 5]
-    assert [s.step for s in ev.Scalars("test_accuracy")] == [2, 4, 5]
+    assert {"test/accuracy", "train/loss", "comm/bytes_up", "time/round_seconds"} <= tags
+    assert all("/" in t and not t.startswith("hparams/") for t in tags), tags
+    assert [s.step for s in ev.Scalars("train/loss")] == [1, 2, 3, 4, 5]
+    assert [s.step for s in ev.Scalars("test/accuracy")] == [2, 4, 5]
 
 
 def signal_a_long_run(out, signum, checkpoint_every, after_records):
@@ -165,7 +171,7 @@ def test_a_rename_into_place_is_synced_in_its_directory(tmp_path, monkeypatch):
 
 def test_more_threads_than_cores_is_warned_about(tmp_path):
     cores = len(os.sched_getaffinity(0))
-    args = FAST[:]
+    args = FAST[:] + ["--no-out"]
     args[args.index("--rounds") + 1] = "1"
     args[args.index("--threads") + 1] = str(cores + 1)
     p = launch(args)

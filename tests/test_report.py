@@ -160,12 +160,17 @@ def test_hparams_are_readable_from_the_event_files(tmp_path):
     assert hp == {"algo": "fedmix", "lr": 0.05, "rounds": 30.0, "seed": 3.0, "local_eval": "false",
                   "algo_options.lam": 0.05, "algo_options.prox_mu": 0.0}
     experiment = HParamsPluginData.FromString(content[metadata.EXPERIMENT_TAG]).experiment
-    assert {m.name.tag for m in experiment.metric_infos} == {
-        "hparams/test_accuracy", "hparams/test_loss", "hparams/bytes_up_total"}
+    # the session's metrics are the per-round tags, whose last value is the final one
+    assert {m.name.tag for m in experiment.metric_infos} == {"test/accuracy", "test/loss", "comm/bytes_up_total"}
     assert {h.name for h in experiment.hparam_infos} == set(hp)
-    for tag, value in (("hparams/test_accuracy", 0.91), ("hparams/bytes_up_total", 1e6)):
+    for tag, value in (("test/accuracy", 0.91), ("comm/bytes_up_total", 1e6)):
         (s,) = ev.Scalars(tag)
         assert s.step == 30 and s.value == pytest.approx(value)
+    # in a run's folder the per-round scalars already hold them: declared, not written again
+    write_hparams(str(tmp_path / "run"), config, final, scalars_logged=True)
+    ev = EventAccumulator(str(tmp_path / "run"))
+    ev.Reload()
+    assert ev.Tags()["scalars"] == [] and metadata.EXPERIMENT_TAG in ev.PluginTagToContent(metadata.PLUGIN_NAME)
 
 
 # ----------------------------------------------------------------------------- bad input: each a reviewer's case

@@ -1,9 +1,14 @@
-"""A run's hyperparameters and final metrics for TensorBoard's HParams tab.
+"""A run's TensorBoard event files: the tag each metric is logged under, and the hyperparameters and
+final metrics for the HParams tab.
 
-The summaries go into the run's own event folder (beside its per-round scalars), so that
-``tensorboard --logdir SWEEP/runs`` shows one HParams session per run. The final metrics are
-written as scalars under ``hparams/<name>`` at the final round, and declared as the session's
-metrics: they cannot clash with the per-round ``test_accuracy`` curve of the same folder.
+Tags are grouped, one TensorBoard section per group (:func:`tensorboard_tag`): ``test/accuracy``,
+``train/loss``, ``local/accuracy_mean``, ``comm/bytes_up_parameters``, ``channel/uplink_outages``,
+``time/round_seconds``...; metrics.jsonl keeps the metric names themselves (the report reads them).
+
+The HParams session goes into the run's own event folder (beside its per-round scalars), so that
+``tensorboard --logdir SWEEP/runs`` shows one HParams session per run. Its metrics are the final
+round's, declared by their per-round tags: the HParams tab reads each one's last value, the final
+one, so they are not written a second time.
 """
 
 from __future__ import annotations
@@ -14,6 +19,56 @@ from .runs import flatten
 
 # How or where a run executed, not what it computed: noise in a comparison of runs.
 NOT_HPARAMS = ("out", "resume", "quiet", "tensorboard", "reference")
+
+#: metric name -> tag, for names that are not read by a prefix rule below
+_TAGS = {
+    "train_loss": "train/loss", "lr": "train/lr", "clients": "train/clients",
+    "relative_change": "train/relative_change", "converged": "train/converged",
+    "local_eval_clients": "local/eval_clients",
+    "reference_device_accuracy": "local/reference_device_accuracy",
+    "participation_gap": "cold_start/participation_gap",
+    "uplink_outages": "channel/uplink_outages", "downlink_outages": "channel/downlink_outages",
+    "comm_seconds": "channel/comm_seconds", "compute_seconds": "channel/compute_seconds",
+    "sim_round_seconds": "channel/sim_round_seconds", "sim_seconds_total": "channel/sim_seconds_total",
+    "round_seconds": "time/round_seconds", "round_seconds_total": "time/round_seconds_total",
+    "eval_seconds": "time/eval_seconds",
+    "seeds_uploaded": "server/seeds_uploaded", "seeds_delivered": "server/seeds_delivered",
+    "server_samples": "server/samples", "server_train_loss": "server/train_loss",
+    "seeds_leaking_raw": "privacy/seeds_leaking_raw",
+}
+
+#: (metric name prefix, group/ and what replaces the prefix), first match wins
+_PREFIXES = (
+    ("local_test_", "local/"),          # local_test_accuracy_mean -> local/accuracy_mean
+    ("test_", "test/"),                 # test_accuracy, test_loss, test_accuracy_label<c>
+    ("cold_start_", "cold_start/"),     # cold_start_accuracy_mean -> cold_start/accuracy_mean
+    ("bytes_", "comm/bytes_"),          # bytes_up_parameters -> comm/bytes_up_parameters
+    ("sample_privacy_", "privacy/sample_privacy_"),
+)
+
+
+def tensorboard_tag(name: str) -> str:
+    """The TensorBoard tag of metrics.jsonl's metric ``name``, ``group/rest``:
+
+    * ``test/``: the global model on the global test set (``test_accuracy`` -> ``test/accuracy``,
+      ``test_loss``, ``test_accuracy_label<c>``);
+    * ``train/``: ``train_loss`` -> ``train/loss``, ``lr``, ``clients``, ``relative_change``;
+    * ``local/``: the clients' models on their own splits (``local_test_accuracy_mean`` ->
+      ``local/accuracy_mean``, ``local_eval_clients``, ``reference_device_accuracy``);
+    * ``cold_start/``: clients held out of training (``cold_start_*``, ``participation_gap``);
+    * ``comm/``: traffic (``bytes_up``, ``bytes_down_total``, per kind ``bytes_up_parameters``...);
+    * ``channel/``: the wireless channel (outages, comm / compute / simulated seconds);
+    * ``time/``: wall clock (``round_seconds``, ``round_seconds_total``, ``eval_seconds``);
+    * ``server/``: server-side data of the FLD family and one-shot methods (seeds, samples, its loss);
+    * ``privacy/``: sample privacy and raw-leak measures;
+    * ``algo/``: any other metric, an algorithm's own (``mu_aggregation`` -> ``algo/mu_aggregation``).
+    """
+    if name in _TAGS:
+        return _TAGS[name]
+    for prefix, group in _PREFIXES:
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return group + name[len(prefix):]
+    return f"algo/{name}"
 
 
 def hparams_of(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -30,18 +85,20 @@ def hparams_of(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def write_hparams(log_dir: str, config: Dict[str, Any], final_metrics: Dict[str, Any],
-                  writer: Optional[Any] = None) -> Dict[str, float]:
-    """Write the HParams session of one run into ``log_dir``; returns the metrics written.
+                  writer: Optional[Any] = None, scalars_logged: bool = False) -> Dict[str, float]:
+    """Write the HParams session of one run into ``log_dir``; returns the metrics declared, by tag.
 
     ``final_metrics``: the last round's metrics (numeric values only are kept; ``round`` gives
     the step). ``writer``: an open SummaryWriter on ``log_dir`` to reuse (the engine's), else
-    one is opened and closed here.
+    one is opened and closed here. ``scalars_logged``: the folder's per-round scalars already hold
+    these values under their tags at the final step (the engine's run), so the session only
+    declares them; otherwise they are written there once.
     """
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
     step = int(final_metrics.get("round", 0) or 0)
-    metrics = {f"hparams/{k}": float(v) for k, v in final_metrics.items()
+    metrics = {tensorboard_tag(k): float(v) for k, v in final_metrics.items()
                if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
     exp, ssi, sei = hparams(hparams_of(config), metrics)
     own = writer is None
@@ -50,8 +107,9 @@ def write_hparams(log_dir: str, config: Dict[str, Any], final_metrics: Dict[str,
         fw = w.file_writer
         for summary in (exp, ssi, sei):
             fw.add_summary(summary, step)
-        for tag, v in metrics.items():
-            w.add_scalar(tag, v, step)
+        if not scalars_logged:
+            for tag, v in metrics.items():
+                w.add_scalar(tag, v, step)
         w.flush()
     finally:
         if own:

@@ -136,6 +136,7 @@ def render_array_script(name: str, ids: List[str], ranks: int, opts: SlurmOption
               "IDS=(" + " ".join(shlex.quote(i) for i in ids) + ")",
               'ID=${IDS[${SLURM_ARRAY_TASK_ID:?run this with sbatch --array}]}',
               f"export FEDHPC_PYTHON={shlex.quote(opts.python or sys.executable)}",
+              f"export FEDHPC_SIGNAL_MARGIN_S={opts.signal_seconds}  # --signal's margin: fedhpc warns when a round outlasts it",
               f"SWEEP={shlex.quote(sweep_dir)}",
               # exec: SLURM's USR1 must reach step.sh's trap, not a shell waiting for it.
               f'exec bash {shlex.quote(STEP_SCRIPT)} "$SWEEP/runs/$ID" --config "$SWEEP/points/$ID.yaml"',
