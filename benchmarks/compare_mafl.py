@@ -46,10 +46,9 @@ def run_one(algo, seed, args):
     cfg = yaml.safe_load(open(BASE))
     cfg.update(algo=algo, algo_options=ALGOS[algo], seed=seed, rounds=args.rounds)
     rows, wall = run_config(cfg, os.path.join(args.out, f"{algo}_seed{seed}"), args.threads, f"{algo} seed {seed}")
-    mid = min(rows, key=lambda r: abs(r["round"] - args.rounds // 2))
+    mid = min((r for r in rows if "test_accuracy" in r), key=lambda r: abs(r["round"] - args.rounds // 2))
     last = rows[-1]
-    # metrics.jsonl holds the evaluated rounds only; the cumulative totals cover every round,
-    # and the parameter traffic is the same every round.
+    # the cumulative totals cover every round, and the parameter traffic is the same every round.
     other = (last["bytes_up_total"] + last["bytes_down_total"]
              - args.rounds * (last["bytes_up_parameters"] + last["bytes_down_parameters"]))
     return {"algo": algo, "seed": seed, "final": rows[-1]["test_accuracy"], "mid": mid["test_accuracy"],
