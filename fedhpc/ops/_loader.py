@@ -5,7 +5,8 @@
 2. else ``torch.utils.cpp_extension.load`` compiles csrc/ once into
    ``build/jit-torch<version>-py<version>[-cuda]/`` (cold CPU build: about 40 s of compiler
    time, 20-30 s on 2 idle cores; later processes only re-check it, 0.2 s; ranks starting
-   together wait on torch's lock while one compiles);
+   together wait on torch's lock while one compiles; a first build says so on stderr, rank 0
+   alone, with how long it takes, instead of a silent first round);
 3. else nothing: every op runs its pure-PyTorch reference (:mod:`fedhpc.ops.reference`).
 
 ``FEDHPC_NO_EXT=1`` skips 1 and 2, ``FEDHPC_NO_JIT=1`` skips 2. A failed JIT build warns once
@@ -117,6 +118,12 @@ def _jit(current: str):
         with open(failed) as f:
             why = f.read().strip()
         return None, f"an earlier run-time build of these sources failed ({why}); delete {failed} to retry"
+    fresh = not _jit_build_exists(build_dir)
+    t0 = time.perf_counter()
+    if fresh:
+        _say(f"compiling fedhpc's native ops once (about {'5 min' if with_cuda else '1 min'}: "
+             f"later runs reuse {build_dir}; "
+             f"pip install --no-build-isolation -e . builds them ahead, FEDHPC_NO_JIT=1 runs the pure-PyTorch ops)...")
     try:
         module = cpp_extension.load(src.JIT_NAME, sources, extra_cflags=[*src.CXX_FLAGS, *defines], extra_ldflags=list(src.LD_FLAGS),
                                     extra_cuda_cflags=[*src.NVCC_FLAGS, *defines], build_directory=build_dir,
@@ -128,9 +135,25 @@ def _jit(current: str):
         warnings.warn(f"fedhpc.ops: run-time build failed ({first}); using the pure-PyTorch ops "
                       f"(details: python -m fedhpc.ops)", RuntimeWarning, stacklevel=4)
         return None, f"run-time build failed ({first})"
+    if fresh:
+        _say(f"compiled fedhpc's native ops in {time.perf_counter() - t0:.0f} s")
     if getattr(module, "abi_version", None) != ABI_VERSION:
         return None, "run-time build has the wrong ABI version"
     return module, ""
+
+
+def _jit_build_exists(build_dir: str) -> bool:
+    """Whether ``build_dir`` holds a run-time build (torch then only re-checks it, in well under a
+    second; a source changed since makes it compile again, which this does not see)."""
+    return os.path.exists(os.path.join(build_dir, f"{src.JIT_NAME}.so"))
+
+
+def _say(message: str) -> None:
+    """A note on stderr from the first rank alone (ranks starting together wait while one compiles)."""
+    from ..config.cli import launcher_rank
+
+    if launcher_rank() == 0:
+        print(f"fedhpc.ops: {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- per-call choice
