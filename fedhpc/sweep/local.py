@@ -13,9 +13,10 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from ..errors import ConfigError
+from ..run_log import duration
 from .state import INTERRUPTED_CODES, read_metrics, write_status
 
 # Launcher variables of the sweep's own environment (an salloc shell, an mpiexec): a point run
@@ -47,15 +48,22 @@ def child_env() -> dict:
     return env
 
 
-def run_point(cmd: List[str], run_dir: str, log_path: str) -> int:
-    """Run one point to its end, its output appended to ``log_path``; returns the exit code."""
+def run_point(cmd: List[str], run_dir: str, log_path: str, waiting: Optional[Callable[[], None]] = None,
+              every: float = 30.0) -> int:
+    """Run one point to its end, its output appended to ``log_path``; returns the exit code.
+    ``waiting()`` is called every ``every`` seconds while it runs (the sweep's progress line)."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
         try:
-            code = proc.wait()
+            while True:
+                try:
+                    code = proc.wait(timeout=every if waiting is not None else None)
+                    break
+                except subprocess.TimeoutExpired:
+                    waiting()
         except KeyboardInterrupt:
             # Ctrl-C reached the child too (same process group): let it finish its exit.
             try:
@@ -80,36 +88,56 @@ def _tail(path: str, n: int = 3) -> str:
     return " | ".join(lines[-n:])
 
 
-def run_points(todo, ranks: int, sweep_dir: str, say: Callable[[str], None] = print) -> int:
+def _point_progress(run_dir: str, rounds: int, t0: float, say: Callable[[str], None], last: List[int]) -> None:
+    """The running point's latest round from its metrics.jsonl (said when it moved since ``last[0]``)."""
+    recs = read_metrics(run_dir)
+    now = recs[-1].get("round", 0) if recs else 0
+    if isinstance(now, int) and now != last[0]:
+        last[0] = now
+        say(f"      round {now}/{rounds or '?'}, {duration(time.perf_counter() - t0)} on this point")
+
+
+def run_points(todo, ranks: int, sweep_dir: str, say: Callable[[str], None] = print, every: float = 30.0) -> int:
     """Run ``todo`` (a list of (Point, RunState)) in order. Returns 0, 1 (some failed) or the
-    interrupting exit code (the sweep stopped; run it again to continue)."""
+    interrupting exit code (the sweep stopped; run it again to continue).
+
+    Says when each point starts and ends, how many of the points are done and an estimate of the time
+    the others take (the mean time of the points run so far), and every ``every`` seconds the round a
+    running point has reached."""
     failed = []
+    started = time.perf_counter()
     for n, (p, state) in enumerate(todo, 1):
         run_dir = os.path.join(sweep_dir, "runs", p.id)
         log = os.path.join(sweep_dir, "logs", f"{p.id}.log")
         how = f"resuming after round {state.last_round}" if state.last_round else "starting"
         say(f"[{n}/{len(todo)}] {p.id}: {how} ({ranks} rank(s)); log {log}")
         t0 = time.perf_counter()
+        last = [state.last_round or 0]
         try:
             code = run_point(launch_command(os.path.join(sweep_dir, "points", f"{p.id}.yaml"), run_dir, ranks),
-                             run_dir, log)
+                             run_dir, log, lambda: _point_progress(run_dir, p.rounds, t0, say, last), every)
         except KeyboardInterrupt:
             say("interrupted: run the same command again to resume")
             return 130
         took = time.perf_counter() - t0
+        elapsed = time.perf_counter() - started
+        left = len(todo) - n
+        progress = f"; {n}/{len(todo)} points done" + (f", ETA {duration(elapsed / n * left)}" if left else
+                                                        f" in {duration(elapsed)}")
         if code == 0:
             recs = read_metrics(run_dir)
             # the global model's accuracy and the clients' own models' mean, whichever the run has (FD
             # has no global model; a partial personal method's global model has initial personal layers)
             acc = "".join(f"{k} {recs[-1][k]:.4f}, " for k in ("test_accuracy", "local_test_accuracy_mean")
                           if recs and k in recs[-1])
-            say(f"      done: {acc}{took:.1f} s")
+            say(f"      done: {acc}{took:.1f} s{progress}")
         elif code in INTERRUPTED_CODES:
             say(f"      stopped by a signal (exit {code}) after {took:.1f} s: run the same command again to resume")
             return code
         else:
             failed.append(p.id)
             say(f"      FAILED (exit {code}): {_tail(log)}")
+            say(f"     {progress[1:]}")
     if failed:
         say(f"{len(failed)} point(s) failed: {', '.join(failed)} (their logs are under {sweep_dir}/logs; "
             f"a re-run retries them)")
