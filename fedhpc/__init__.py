@@ -19,13 +19,21 @@ __all__ = ["__version__", "run", "RunResult", "RunStopped"]
 _API = ("run", "RunResult", "RunStopped")
 
 
+#: subpackages reachable as attributes after a bare ``import fedhpc`` (imported on first use)
+_LAZY_MODULES = ("report", "sweep", "config")
+
+
 def __getattr__(name):
     if name in _API:
         from . import api
 
         return getattr(api, name)
+    if name in _LAZY_MODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'fedhpc' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_API))
+    return sorted(list(globals()) + list(_API) + list(_LAZY_MODULES))

@@ -236,3 +236,47 @@ def varying_settings(groups: List[Group]) -> List[str]:
             if k not in keys and len({json.dumps(h.settings.get(k), default=str) for h in groups}) > 1:
                 keys.append(k)
     return keys
+
+
+def load_runs(directory: str, as_frame: Optional[bool] = None) -> Any:
+    """One row per run under ``directory`` (any depth: a sweep's folder, ``runs/``, one run's folder):
+
+    * ``path`` (the run's folder), ``status`` (finished, interrupted, failed, damaged; a sweep's
+      reading, :func:`fedhpc.sweep.state.run_state`) and ``rounds_done`` (its last logged round);
+    * its settings as it ran them, option mappings flattened (``algo``, ``lr``, ``seed``,
+      ``algo_options.mu``...; an option left at its default is there with the default the run used);
+    * ``final_<metric>``: every number of its last record (the final evaluation: ``final_test_accuracy``,
+      ``final_local_test_accuracy_mean``, ``final_bytes_up_total``...);
+    * ``best_<metric>``: the highest value of each accuracy over its rounds (``best_test_accuracy``;
+      the clients' local accuracies only over rounds that evaluated every client, as the report reads them).
+
+    A run whose files cannot be read is left out with a warning (as the report does). Returns a
+    pandas DataFrame when pandas is installed and ``as_frame`` is not False (``as_frame=True``
+    requires it), else a list of dicts (rows lacking a column simply lack the key)."""
+    from .summary import _numeric, is_sampled
+
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{directory!r} is not a folder; pass a folder holding runs (e.g. runs/ or a sweep's folder)")
+    runs, _ = find_runs([directory])
+    rows = []
+    for run in runs:
+        row: Dict[str, Any] = {"path": run.path, "status": run.state.status, "rounds_done": run.state.last_round}
+        row.update(flatten({k: v for k, v in (run.config or {}).items() if k != "reference"}))
+        last = run.records[-1] if run.records else {}
+        row.update({f"final_{k}": v for k, v in last.items() if k != "round" and _numeric(v)})
+        accuracies = sorted({k for rec in run.records for k in rec if k.endswith("accuracy")})
+        for m in accuracies:
+            seen = [float(rec[m]) for rec in run.records if _numeric(rec.get(m)) and not is_sampled(m, rec)]
+            if seen:
+                row[f"best_{m}"] = max(seen)
+        rows.append(row)
+    if as_frame is False:
+        return rows
+    try:
+        import pandas
+    except ImportError:
+        if as_frame:
+            raise ImportError("load_runs(as_frame=True) needs pandas (pip install pandas); as_frame=False "
+                              "returns the rows as a list of dicts") from None
+        return rows
+    return pandas.DataFrame(rows)
