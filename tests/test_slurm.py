@@ -108,9 +108,12 @@ def test_pre_empted_array_task_requeues_itself_by_array_id(tmp_path):
 
 def test_gpu_template_one_rank_per_gpu_across_nodes(tmp_path):
     text = open(os.path.join(REPO, "slurm", "run_gpu.sbatch")).read()
-    for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-task=1", "--cpus-per-task=8",
+    for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--gpu-bind=none", "--cpus-per-task=8",
                  "--signal=B:USR1@120", "--requeue"):
         assert f"#SBATCH {line}" in _sbatch_lines(text)
+    # per-task GPU isolation can stop NCCL's peer-to-peer transfers inside a node
+    assert not any("--gpus-per-task" in l for l in _sbatch_lines(text))
+    assert "export FEDHPC_SIGNAL_MARGIN_S=${FEDHPC_SIGNAL_MARGIN_S:-120}" in text
     # scontrol cannot expand the list here: the script falls back to fedhpc's own parser.
     env = clean_env(PATH=_fake_bin(tmp_path), FEDHPC_PYTHON=sys.executable, FAKE_SLURM_DIR=str(tmp_path),
                     FAKE_SRUN="record", FAKE_SCONTROL_NO_SHOW="1", SLURM_JOB_ID="99", SLURM_SUBMIT_DIR=REPO,
