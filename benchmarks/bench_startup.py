@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORCE_SKLEARN = "import fedhpc.data.digits as d; d.bundled_digits_csv = lambda: None; "
 DATA = "from fedhpc.data.digits import load_digits_arrays; load_digits_arrays()"
 LAUNCH = ("from fedhpc.launch import main; main(['--algo', 'fedavg', '--rounds', '1', '--threads', '1', "
-          "'--quiet', '--no-tensorboard'])")
+          "'--quiet', '--no-tensorboard', '--no-out'])")
 
 
 def timed(code: str) -> float:
