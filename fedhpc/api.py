@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
 from .errors import FedHPCError, OutputError, RankFailure
@@ -58,7 +58,6 @@ class RunResult:
     out: Optional[str] = None
     #: name of the model the run built (``model: auto`` resolved)
     model: str = ""
-    extra: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     def metric(self, name: str) -> List[Any]:
         """``[(round, value), ...]`` of metric ``name`` over the rounds that logged it."""
@@ -68,12 +67,15 @@ class RunResult:
 @contextlib.contextmanager
 def _torch_state_kept() -> Iterator[None]:
     """Put back what a run sets process-wide in torch: threads (the World sets them per rank), the
-    default random generators (the engine seeds them), and the GPU numerics (``gpu_numerics``)."""
+    default random generators (the engine seeds them), the current GPU (the World picks its rank's)
+    and the GPU numerics (``gpu_numerics``)."""
     import torch
 
     threads = torch.get_num_threads()
     cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda_up = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda_rng = torch.cuda.get_rng_state_all() if cuda_up else None
+    device = torch.cuda.current_device() if cuda_up else 0
     flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cuda.matmul.allow_tf32,
              torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
@@ -84,6 +86,8 @@ def _torch_state_kept() -> Iterator[None]:
         torch.random.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.set_device(device)
         torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
         torch.utils.deterministic.fill_uninitialized_memory = flags[2]
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags[3], flags[4]

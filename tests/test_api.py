@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -28,12 +29,27 @@ def same_state(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def process_state():
+    """What a run may change process-wide: torch's threads and random state, the signal handlers the
+    engine installs, the process group, the algorithm registry."""
+    from fedhpc.algorithms import ALGORITHMS
+
+    return (torch.get_num_threads(), torch.random.get_rng_state(),
+            [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)],
+            torch.distributed.is_initialized(), list(ALGORITHMS.names()))
+
+
 @pytest.fixture(scope="module")
 def twice():
-    """fedhpc.run called twice in this process with the same settings, and what torch held before."""
-    before = (torch.get_num_threads(), torch.random.get_rng_state())
+    """fedhpc.run called twice in this process with the same settings, and the process state before
+    and after."""
+    fedhpc.run(**{**SETTINGS, "rounds": 1})  # registries filled, lazy imports done
+    torch.set_num_threads(2)  # not what the run sets (1)
+    before = process_state()
     first, second = fedhpc.run(**SETTINGS), fedhpc.run(**SETTINGS)
-    return first, second, before, (torch.get_num_threads(), torch.random.get_rng_state())
+    after = process_state()
+    torch.set_num_threads(1)  # conftest's
+    return first, second, before, after
 
 
 def test_run_twice_in_one_process_gives_the_same_result_and_restores_torch(twice):
@@ -45,8 +61,9 @@ def test_run_twice_in_one_process_gives_the_same_result_and_restores_torch(twice
     assert 0 < first.final["test_accuracy"] <= 1 and first.out is None and first.client_states is None
     assert first.config.rounds == 4 and first.config.model == "mlp" and first.model == "mlp"
     assert first.metric("test_accuracy")[-1] == (4, first.final["test_accuracy"])
-    # the World set 1 thread and the engine seeded torch: both put back
-    assert after[0] == before[0] and torch.equal(after[1], before[1])
+    # the World set 1 thread, the engine seeded torch and handled SIGTERM / SIGUSR1: all put back
+    assert after[0] == before[0] == 2 and torch.equal(after[1], before[1])
+    assert after[2:] == before[2:] and after[3] is False
 
 
 def test_run_equals_the_command_line_for_the_same_settings(twice, tmp_path):
@@ -106,7 +123,9 @@ import fedhpc
 settings = dict(rounds=4, num_clients=8, clients_per_round=4, lr=0.1, local_epochs=2, model="mlp", quiet=True,
                 threads=1, tensorboard=False, algo=sys.argv[2])
 first, second = fedhpc.run(**settings), fedhpc.run(**settings)   # two process groups in one MPI process
+assert not torch.distributed.is_initialized(), "the process group outlived the run"
 from mpi4py import MPI
+assert MPI.Is_initialized() and not MPI.Is_finalized()
 rank = MPI.COMM_WORLD.Get_rank()
 torch.save({"first": first.global_state, "second": second.global_state, "final": first.final,
             "clients": first.client_states, "size": MPI.COMM_WORLD.Get_size()},
