@@ -274,6 +274,19 @@ def test_every_algorithm_has_a_hand_computed_reference():
     assert not missing, f"add a reference round for {missing} to tests/reference_steps.py"
 
 
+#: The engine trains in float32, the hand computation in float64: they differ by the float32
+#: round's rounding error, which a kink (a ReLU derivative, a pooling tie, decided by the last bit)
+#: turns into a jump. Measured under ATEN_CPU_CAPABILITY default, avx2 and avx512 on an AVX-512
+#: machine, and on a Sapphire Rapids one, the largest difference was 3.9e-4 of what the round
+#: moved the weights (FedAlign on the default kernels: 6.9e-4 of 1.78; GradAug 9.0e-5 of 1.02;
+#: every other method at most 2e-6 of it). The tolerance is five times that share of the
+#: movement, and never below OWN_UPDATE_ATOL (the 2e-5 every method met on one CPU): a wrong term
+#: moves the weights by far more (the check below asks each reference to be > 1e-3 from FedAvg).
+OWN_UPDATE_RTOL = 2e-3
+OWN_UPDATE_ATOL = 2e-5
+
+
+@pytest.mark.cross_cpu
 @pytest.mark.parametrize("algo", [a for a in ALGOS if a in REFERENCES])
 def test_engine_runs_the_algorithms_own_update(algo):
     from fedhpc.config import parse_args
@@ -289,6 +302,7 @@ def test_engine_runs_the_algorithms_own_update(algo):
     eng = Engine(cfg, ao, do, World(threads=1))
     sizes = sorted(int(eng.data.client_sizes()[c]) for c in range(4))
     assert sizes[0] * 1.3 < sizes[-1], "the check needs clients of unequal sizes"
+    start = eng.global_state.detach().double().clone()
     expected = ref(eng)
     plain = REFERENCES["fedavg"](eng)
     for t in range(getattr(ref, "rounds", 1)):
@@ -308,7 +322,11 @@ def test_engine_runs_the_algorithms_own_update(algo):
             want = {"": want}
         for k in want:
             diff = float((got[k].double() - want[k]).abs().max())
-            assert diff <= 2e-5, f"{algo}: {key} {k} differs from the hand computation by {diff:.2e}"
+            is_model = key in ("global_state", "client_models") and want[k].shape == start.shape
+            moved = float((want[k].double() - start).abs().max()) if is_model else 0.0
+            tol = max(OWN_UPDATE_ATOL, OWN_UPDATE_RTOL * moved)
+            assert diff <= tol, (f"{algo}: {key} {k} differs from the hand computation by {diff:.2e} "
+                                 f"(tolerance {tol:.2e}: {OWN_UPDATE_RTOL:g} of the {moved:.2e} the round moved it)")
     # a method whose global model is FedAvg's by design (Ditto) says so; its client models differ
     if "global_state" in expected and algo != "fedavg" and not getattr(ref, "global_is_fedavg", False):
         moved = float((expected["global_state"] - plain).abs().max())

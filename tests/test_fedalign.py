@@ -28,6 +28,9 @@ from fedhpc.errors import ConfigError
 from fedhpc.models import build_model
 from fedhpc.world import World
 
+#: hand computations compared within tolerances that must hold on any CPU (scripts/test.sh runs them twice)
+pytestmark = pytest.mark.cross_cpu
+
 DIGITS = ((1, 8, 8), 10)
 TINY = ["--model", "resnet_digits", "--model-opt", "width=4"]
 BASE = ["--dataset", "digits", "--num-clients", "4", "--clients-per-round", "2", "--rounds", "1",

@@ -14,6 +14,9 @@ from fedhpc.errors import ConfigError
 from fedhpc.engine import Engine
 from fedhpc.world import World
 
+#: hand computations compared within tolerances that must hold on any CPU (scripts/test.sh runs them twice)
+pytestmark = pytest.mark.cross_cpu
+
 COMMON = ["--dataset", "digits", "--model", "mlp", "--num-clients", "5", "--clients-per-round", "5",
           "--rounds", "2", "--threads", "1", "--quiet", "--no-tensorboard", "--partition", "iid"]
 ARGS = COMMON + ["--server-steps", "3", "--seeds-per-device", "4", "--inverse-per-device", "6"]

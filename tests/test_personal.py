@@ -25,6 +25,9 @@ from fedhpc.world import World
 from reference_steps import autograd, batch_indices
 from reference_steps_pmixfed import model_at
 
+#: hand computations compared within tolerances that must hold on any CPU (scripts/test.sh runs them twice)
+pytestmark = pytest.mark.cross_cpu
+
 BASE = ["--dataset", "digits", "--num-clients", "8", "--clients-per-round", "3", "--rounds", "2",
         "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--partition", "classes:5",
         "--seed", "2", "--threads", "1", "--quiet", "--no-tensorboard"]

@@ -20,6 +20,9 @@ from fedhpc.models import build_model
 from fedhpc.world import World
 from reference_steps_pmixfed import pmixfed_rounds
 
+#: hand computations compared within tolerances that must hold on any CPU (scripts/test.sh runs them twice)
+pytestmark = pytest.mark.cross_cpu
+
 
 # ----------------------------------------------------------------------------- Eq. 5
 
