@@ -42,7 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from fedhpc.algorithms.base import task_loss  # noqa: E402
-from fedhpc.algorithms.mixing import fedmix_loss, naivemix_loss, one_hot  # noqa: E402
+from fedhpc.algorithms.mafl.mixing import fedmix_loss, naivemix_loss, one_hot  # noqa: E402
 from fedhpc.models import build_model  # noqa: E402
 
 MODES = ("fedavg", "naivemix", "fedmix")

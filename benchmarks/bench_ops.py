@@ -163,7 +163,7 @@ def fedmix_cases(device, dtype):
 
 
 def fedmix_step_case(device, model_name, batch):
-    from fedhpc.algorithms.mixing import fedmix_loss, one_hot
+    from fedhpc.algorithms.mafl.mixing import fedmix_loss, one_hot
     from fedhpc.models import build_model
 
     shapes = {"vgg_fedmix": ((3, 32, 32), 10), "cnn": ((1, 8, 8), 10), "lenet5": ((1, 28, 28), 62)}

@@ -60,9 +60,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .algorithms.base import ClientContext, RoundInfo, derive_seed, seed_torch
 from .errors import ConfigError
 from .models import model_option_params
+from .round import ClientContext, RoundInfo
+from .seeding import derive_seed, seed_torch
 
 if TYPE_CHECKING:  # pragma: no cover
     from .algorithms.base import Algorithm
@@ -450,7 +451,7 @@ def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], client
         g0 = time.perf_counter()
         ctxs, starts, downloads = [], [], []
         for cid in group_ids:
-            client = engine._to_device(engine.data.client(cid))
+            client = engine.data.client(cid).training_on(engine.world.device)
             # the per-client seed as in the sequential loop: a download drawing from torch's
             # generator draws the same numbers here
             seed_torch(derive_seed(cfg.seed, "client", rnd.index, cid), engine.world.device)

@@ -17,20 +17,21 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .algorithms import ALGORITHMS, ClientContext, RoundInfo, load_algorithm_modules
-from .algorithms.base import Upload, derive_seed, seed_torch
 from .client_state import ClientStateStore
 from .config import RunConfig, build_options, parse_rounds
-from .data import ClientData, build_dataset
+from .data import build_dataset
 from .errors import ConfigError, NonFiniteLossError
 from .evaluation import Evaluation
 from .flat import FlatModel, refuse_cumulative_batchnorm
 from .io import atomic_torch_save
 from .models import build_model
 from .models.shapes import check_model_takes_inputs, check_single_sample_batches
-from .run_log import RunLog
+from .registry import ALGORITHMS, load_algorithm_modules
 from .reproducible_sum import MAX_TERMS, ReproducibleSum, storage_numel
 from .resume import Resume
+from .round import ClientContext, RoundInfo, Upload
+from .run_log import RunLog
+from .seeding import derive_seed, seed_torch
 from .world import World, exact_sum_step
 
 #: exit code after a SIGTERM/SIGUSR1 checkpoint: "temporary failure, run again with --resume"
@@ -140,9 +141,10 @@ class Engine(Evaluation, RunLog, Resume):
         # The channel model (Mix2FLD Sec. II-C): per device and round, seeded; "none" lets
         # everything through. Downlink outages leave devices on their own models, which the
         # client-state store keeps, so the store is in use whenever the channel is.
-        from .server.channel import Channel, ChannelOptions
+        from .server.channel import Channel, ChannelOptions, RoundLinks
         self.channel = Channel(cfg.channel, build_options(ChannelOptions, cfg.channel_options, "channel"), cfg.seed)
         self.channel_active = cfg.channel != "none"
+        self.links = RoundLinks(self.channel, len(self.algo.ledger_kinds)) if self.channel_active else None
         self.uses_store = self.algo.uses_client_state or self.channel_active
         self.algo.channel_active = self.channel_active
 
@@ -178,8 +180,7 @@ class Engine(Evaluation, RunLog, Resume):
         # (math.fsum) whatever the number of ranks
         self.loss_offset = offset + len(self.metric_slots)
         self.link_offset = self.loss_offset + cfg.clients_per_round
-        #: per sampled client: uplink ok, downlink ok, uplink s, downlink s, compute s
-        self.link_fields = 5 if self.channel_active else 0
+        self.link_fields = RoundLinks.FIELDS if self.channel_active else 0
         self.ledger_offset = self.link_offset + self.link_fields * cfg.clients_per_round
         n_ledger = 2 * len(self.algo.ledger_kinds)
         self.round_buffer = torch.zeros(self.ledger_offset + n_ledger, dtype=torch.float64,
@@ -187,7 +188,6 @@ class Engine(Evaluation, RunLog, Resume):
         self.upload_sum = ReproducibleSum(summed, max(cfg.clients_per_round, 1),
                                           out=self.round_buffer[:storage_numel(summed)])
         self.reference_device = self.training_clients[derive_seed(cfg.seed, "reference_device") % len(self.training_clients)]
-        self.sim_seconds_total = 0.0
         self.start_round = 0
         self.stop_round = cfg.rounds  # earlier when --stop-epsilon is met
         self._converged_round: Optional[int] = None  # the round that met --stop-epsilon: the run ends there
@@ -230,8 +230,11 @@ class Engine(Evaluation, RunLog, Resume):
             buf[self.loss_offset + position[cid]] = loss_sum
             buf[self._slot("samples")] += ctx.samples
             buf[self._slot("compute_s")] += compute_s
-            if self.channel_active:
-                up_ok = self._simulate_links(t, cid, position[cid], len(sampled), traffic_before, compute_s, ctx)
+            if self.links is not None:
+                up_ok, down_ok = self.links.device(self._link_rows(len(sampled)), t, cid, position[cid], len(sampled),
+                                                   algo.ledger.values - traffic_before, compute_s)
+                if not down_ok:
+                    algo.on_downlink_outage(self.model, ctx)
                 if not up_ok:
                     continue  # a straggler: trained, but its upload is lost this round
             weight = algo.client_weight(ctx)
@@ -311,8 +314,8 @@ class Engine(Evaluation, RunLog, Resume):
             "clients": len(sampled),
             **ledger, **self.cum_bytes,
         }
-        if self.channel_active:
-            metrics.update(self._link_metrics(buf, len(sampled), server_s))
+        if self.links is not None:
+            metrics.update(self.links.round_metrics(self._link_rows(len(sampled)), server_s))
         metrics.update(algo.extra_metrics())
         # A round in which no upload arrived (every device a straggler) changes nothing: that
         # is not convergence, so the stopping rule only looks at rounds with an update.
@@ -340,7 +343,7 @@ class Engine(Evaluation, RunLog, Resume):
             return
         for cid in mine:
             c0 = time.perf_counter()
-            client = self._to_device(self.data.client(cid))
+            client = self.data.client(cid).training_on(self.world.device)
             seed_torch(derive_seed(cfg.seed, "client", rnd.index, cid), self.world.device)  # dropout etc.
             self.flat.load_(self.global_state)
             ctx = ClientContext(algo, cid, client, rnd)
@@ -353,40 +356,20 @@ class Engine(Evaluation, RunLog, Resume):
         spec = self.uploads[name][1]
         return float(spec.wire_bytes if spec.wire_bytes is not None else tensor.numel() * tensor.element_size())
 
-    def _simulate_links(self, t: int, cid: int, pos: int, num_devices: int, traffic_before: torch.Tensor,
-                        compute_s: float, ctx: ClientContext) -> bool:
-        """One device's uplink and downlink this round; returns whether its upload arrived.
+    def _link_rows(self, num_devices: int) -> torch.Tensor:
+        """The round buffer's rows of the channel's per-device link outcomes (a view)."""
+        rows = self.round_buffer[self.link_offset:self.link_offset + num_devices * self.link_fields]
+        return rows.view(num_devices, self.link_fields)
 
-        Payloads are what the ledger booked for this client (its upload, and what it receives).
-        A downlink outage leaves the device on its local model until a later downlink succeeds.
-        """
-        k = len(self.algo.ledger_kinds)
-        sent = (self.algo.ledger.values - traffic_before)
-        up = self.channel.uplink(t, cid, float(sent[:k].sum()), num_devices)
-        down = self.channel.downlink(t, cid, float(sent[k:].sum()))
-        row = self.round_buffer[self.link_offset + pos * self.link_fields:
-                                self.link_offset + (pos + 1) * self.link_fields]
-        row.copy_(torch.tensor([float(up.ok), float(down.ok), up.seconds, down.seconds, compute_s],
-                               dtype=row.dtype))
-        if not down.ok:
-            self.algo.on_downlink_outage(self.model, ctx)
-        return up.ok
+    @property
+    def sim_seconds_total(self) -> float:
+        """The simulated clock (channel + compute) so far; 0 without a channel."""
+        return self.links.sim_seconds_total if self.links is not None else 0.0
 
-    def _link_metrics(self, buf: torch.Tensor, num_devices: int, server_s: float) -> Dict[str, float]:
-        rows = buf[self.link_offset:self.link_offset + num_devices * self.link_fields].view(num_devices, -1).cpu()
-        up_ok, down_ok, up_s, down_s, compute_s = rows.unbind(1)
-        # Devices compute and upload in parallel (FDMA); the server converts; the broadcast
-        # reaches every device in parallel: Mix2FLD's convergence time adds these delays.
-        sim = float((compute_s + up_s).max()) + server_s + float(down_s.max())
-        self.sim_seconds_total += sim
-        return {
-            "uplink_outages": int(num_devices - up_ok.sum()),
-            "downlink_outages": int(num_devices - down_ok.sum()),
-            "comm_seconds": float(up_s.max() + down_s.max()),
-            "compute_seconds": float(compute_s.max()) + server_s,
-            "sim_round_seconds": sim,
-            "sim_seconds_total": self.sim_seconds_total,
-        }
+    @sim_seconds_total.setter
+    def sim_seconds_total(self, value: float) -> None:
+        if self.links is not None:
+            self.links.sim_seconds_total = value
 
     def _relative_change(self) -> Optional[float]:
         """The relative change of the algorithm's global quantity since the last round with an
@@ -403,14 +386,6 @@ class Engine(Evaluation, RunLog, Resume):
         if before is None or before.shape != now.shape:
             return None
         return float(self.algo.relative_change(before.to(now.device), now))
-
-    def _to_device(self, c: ClientData) -> ClientData:
-        """The training part on the device; the local test split stays where it is (evaluation
-        reads it separately), so it is not copied every round."""
-        d = self.world.device
-        if d.type == "cpu":
-            return c
-        return ClientData(c.cid, c.x.to(d, non_blocking=True), c.y.to(d, non_blocking=True), c.x_test, c.y_test)
 
     def _evaluate_round(self, metrics: Dict[str, float], last: bool) -> None:
         """Collective. Add the round's evaluation to ``metrics``; the run's last round gets the

@@ -17,8 +17,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .algorithms import ClientContext, RoundInfo
-from .algorithms.base import derive_seed, seed_torch, task_loss
+from .losses import task_loss
+from .round import ClientContext, RoundInfo
+from .seeding import derive_seed, seed_torch
 
 
 class Evaluation:
@@ -250,7 +251,7 @@ class Evaluation:
                 seed_torch(derive_seed(self.cfg.seed, "adapt", cid), self.world.device)
                 self.model.zero_grad(set_to_none=True)  # no gradient left from the last training step
                 self.model.train()
-                data = self._to_device(self.data.client(cid))
+                data = self.data.client(cid).training_on(self.world.device)
                 ctx = ClientContext(self.algo, cid, data, rnd)
                 with torch.enable_grad():
                     self.algo.adapt(self.model, ctx)

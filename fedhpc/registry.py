@@ -1,7 +1,8 @@
-"""A tiny name -> factory registry shared by algorithms, datasets and models."""
+"""A tiny name -> factory registry shared by algorithms, datasets and models, and the algorithms' one."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Dict, Generic, TypeVar
 
 from .errors import ConfigError
@@ -53,3 +54,16 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: str) -> bool:
         return isinstance(name, str) and self.canonical(name) in self._entries
+
+
+#: every registered algorithm (``fedhpc.algorithms.register_algorithm`` adds to it). It lives
+#: here, below the algorithms, so that the layers they stand on (the engine, the configuration,
+#: checkpoints) can look a method up without importing the algorithm package.
+ALGORITHMS: Registry = Registry("algorithm")
+
+
+def load_algorithm_modules() -> None:
+    """Import every algorithm module, so that each registers itself in :data:`ALGORITHMS`.
+
+    By name: the algorithm package stands on the layers that call this."""
+    importlib.import_module("fedhpc.algorithms").import_methods()

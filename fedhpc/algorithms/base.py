@@ -18,168 +18,24 @@ and count what it sends in ``ctx.ledger`` so the communication ledger stays hone
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import warnings
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+# The engine's primitives live below the algorithms; they are imported here too, so that an
+# algorithm file finds everything it overrides and uses in one place.
+from ..losses import soft_loss, task_loss  # noqa: F401
+from ..round import ClientContext, CommLedger, RoundInfo, Upload  # noqa: F401
+from ..seeding import derive_seed, seed_torch  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import RunConfig
-    from ..data import ClientData, FederatedData
+    from ..data import FederatedData
     from ..flat import FlatModel
     from ..world import World
-
-
-def derive_seed(*keys: Any) -> int:
-    """A 63-bit seed from integers and strings, stable across runs, ranks and platforms.
-
-    A keyed BLAKE2b hash of the keys' canonical text (integers normalised, so a numpy
-    integer and a Python int give the same seed). It runs several times per client per
-    round, so it must be cheap: about 2 us, against 17-45 us for numpy's SeedSequence.
-    """
-    text = "\x1f".join(("s" + k) if isinstance(k, str) else str(int(k)) for k in keys)
-    digest = hashlib.blake2b(text.encode(), digest_size=8, person=b"fedhpc-seed").digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def seed_torch(seed: int, device: Optional[torch.device] = None) -> None:
-    """Seed torch's default generator (and the CUDA one of ``device``) for dropout and the like.
-
-    ``torch.manual_seed`` would also seed every lazy accelerator generator (and format a
-    stack trace each time): ~170 us, paid per client per round. This costs ~1 us.
-    """
-    torch.default_generator.manual_seed(seed)
-    if device is not None and device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
-
-
-def task_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy for classification (B, C) and next-character prediction (B, T, V)."""
-    if logits.dim() > 2:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
-    return F.cross_entropy(logits, y, reduction=reduction)
-
-
-def soft_loss(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against soft targets (mixed one-hot labels, teacher outputs)."""
-    logp = F.log_softmax(logits, dim=-1)
-    return -(target_probs * logp).sum(-1).mean()
-
-
-class CommLedger:
-    """Bytes a client sends (up) and receives (down), by kind; summed over ranks each round."""
-
-    def __init__(self, kinds: Tuple[str, ...]):
-        self.kinds = tuple(kinds)
-        self.values = torch.zeros(2 * len(self.kinds), dtype=torch.float64)
-
-    def add(self, direction: str, kind: str, nbytes: float) -> None:
-        if kind not in self.kinds:
-            raise KeyError(f"ledger kind {kind!r} is not declared in the algorithm's ledger_kinds {self.kinds}")
-        self.values[(0 if direction == "up" else 1) * len(self.kinds) + self.kinds.index(kind)] += nbytes
-
-    def reset(self) -> None:
-        self.values.zero_()
-
-    def as_metrics(self, values: torch.Tensor) -> Dict[str, float]:
-        k = len(self.kinds)
-        out = {"bytes_up": float(values[:k].sum()), "bytes_down": float(values[k:].sum())}
-        for i, kind in enumerate(self.kinds):
-            out[f"bytes_up_{kind}"] = float(values[i])
-            out[f"bytes_down_{kind}"] = float(values[k + i])
-        return out
-
-
-@dataclass
-class RoundInfo:
-    index: int                 # 0-based round number
-    sampled: List[int]         # every client sampled this round (same list on every rank)
-    my_clients: List[int]      # the sampled clients this rank trains
-    lr: float                  # client learning rate this round
-
-
-@dataclass(frozen=True)
-class Upload:
-    """One tensor every client sends, as declared in :meth:`Algorithm.upload_spec`.
-
-    ``weighted``: the engine adds ``client_weight * tensor`` (model averaging) or the
-    tensor as it is (sums and counts, e.g. per-label outputs). ``wire_bytes``: bytes a
-    client puts on the wire for it, when that differs from the tensor's own size (a
-    per-label *average* table is sent, the engine carries its sum and count); None
-    means ``numel * element_size``.
-
-    ``bound`` (unweighted uploads only): every entry lies in [-bound, bound]. The engine
-    then rounds each client's tensor to a grid of step 2**(ceil(log2(bound * clients per
-    round)) - 52) before adding it, on which every partial sum is exact in float64: the
-    round's sum, and all an algorithm derives from it, is then the same for any number of
-    ranks, where a float64 sum in rank order differs in its last bits. The step is far
-    below float32's resolution (2**-48 for probabilities from 10 clients).
-    """
-
-    numel: int
-    kind: str
-    weighted: bool = True
-    wire_bytes: Optional[int] = None
-    bound: Optional[float] = None
-
-
-class ClientContext:
-    """Everything an algorithm sees while one client trains."""
-
-    def __init__(self, algo: "Algorithm", cid: int, data: "ClientData", rnd: RoundInfo):
-        self.algo, self.cid, self.data, self.round = algo, cid, data, rnd
-        self.cfg = algo.cfg
-        self.device = algo.device
-        self.lr = rnd.lr
-        self.ledger = algo.ledger
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=algo.device)
-        self.samples = 0
-        self.extra: Dict[str, Any] = {}
-
-    @property
-    def num_train(self) -> int:
-        return self.data.num_train
-
-    def generator(self, tag: str) -> torch.Generator:
-        """A CPU generator fixed by (seed, round, client, tag): independent of rank and order."""
-        return torch.Generator().manual_seed(derive_seed(self.cfg.seed, tag, self.round.index, self.cid))
-
-    def batches(self, epoch: int, batch_size: Optional[int] = None) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        """Shuffled mini-batches (x transformed for training, y) on the device.
-
-        Order rule (tests rely on it): permutation = torch.randperm(n, generator=
-        torch.Generator().manual_seed(derive_seed(seed, "batches", round, cid, epoch))),
-        cut into consecutive chunks of batch_size, the last one possibly smaller.
-        """
-        bs = batch_size or self.cfg.batch_size
-        n = self.data.num_train
-        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "batches", self.round.index, self.cid, epoch))
-        perm = torch.randperm(n, generator=g).to(self.device)
-        aug = None
-        if self.algo.data.augments:
-            aug = torch.Generator(device=self.device).manual_seed(
-                derive_seed(self.cfg.seed, "augment", self.round.index, self.cid, epoch))
-        transform = self.algo.data.transform
-        for start in range(0, n, bs):
-            idx = perm[start: start + bs]
-            yield transform(self.data.x[idx], True, aug), self.data.y[idx]
-
-    def record(self, loss: torch.Tensor, n: int) -> None:
-        """Add a mean batch loss over n samples to this client's training-loss sum."""
-        self.loss_sum.add_(loss.detach(), alpha=n)  # one kernel: no device sync per step
-        self.samples += n
-
-    def load_state(self, default: Any = None) -> Any:
-        """This client's state from earlier rounds (whichever rank trained it), or ``default``."""
-        return self.algo.client_state.get_slot(self.cid, "algo", default)
-
-    def save_state(self, state: Any) -> None:
-        self.algo.client_state.put_slot(self.cid, "algo", state)
 
 
 class Algorithm:

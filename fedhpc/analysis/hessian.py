@@ -57,9 +57,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..algorithms.base import derive_seed
 from ..errors import CheckpointError, ConfigError, DataError, FedHPCError
 from ..io import atomic_torch_save, atomic_write_json, probe_write
+from ..seeding import derive_seed
 from .hessian_estimators import (Objective, hessian_diagonal, hessian_matching, hutchinson_trace, layerwise,
                                  top_eigenvalue)
 
@@ -102,7 +102,7 @@ class RunAnalysis:
     """A finished run's configuration, data and models, rebuilt from ``RUN_DIR``."""
 
     def __init__(self, run_dir: str, data_dir: Optional[str], world, dtype: torch.dtype = torch.float32):
-        from ..algorithms import ALGORITHMS
+        from ..registry import ALGORITHMS
         from ..config import parse_args
         from ..data import build_dataset
         from ..models import build_model
@@ -233,7 +233,7 @@ def analyse(args, world) -> Dict[str, object]:
 def _check_global_model(run: RunAnalysis, args) -> None:
     """A run of a method that trains no global model (FD) wrote its untrained initial model as
     final_model.pt: lambda_max, the trace or H_k at that model would describe initialisation."""
-    from ..algorithms import ALGORITHMS
+    from ..registry import ALGORITHMS
 
     uses_global = not args.skip_global or (not args.skip_matching and args.matching_model == "global")
     if args.model is None and uses_global and not ALGORITHMS.get(run.cfg.algo).has_global_model:

@@ -15,10 +15,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..algorithms.base import derive_seed, task_loss
 from ..errors import ConfigError, DataError
+from ..losses import task_loss
 from ..models.double_backward import double_backward_safe
 from ..reproducible_sum import MAX_TERMS, ReproducibleSum
+from ..seeding import derive_seed
 
 
 class Objective:

@@ -41,7 +41,7 @@ def _add_dataclass_flags(group, cls: Type, skip=()) -> List[str]:
 
 
 def _catalogue() -> str:
-    from ..algorithms import ALGORITHMS, load_algorithm_modules
+    from ..registry import ALGORITHMS, load_algorithm_modules
     from ..data import DATASETS, load_dataset_modules
     from ..data.partition import partition_help
     from ..models import MODELS, load_model_modules
@@ -112,7 +112,7 @@ def _chosen(file_values: Dict[str, Any], where: Optional[str], algo: Any, datase
     """(algorithm class, algorithm name, dataset spec, dataset name) a run of these settings uses, the
     names as given (the registries' spelling comes later); a ConfigError for an unknown key of the
     file (``where``: its path) or an unknown or malformed name."""
-    from ..algorithms import ALGORITHMS, load_algorithm_modules
+    from ..registry import ALGORITHMS, load_algorithm_modules
     from ..data import DATASETS, load_dataset_modules
     from ..models import load_model_modules
 
@@ -171,7 +171,7 @@ def parse_args(argv: Optional[List[str]] = None, default_out: Optional[Callable[
     ``default_out(cfg)``: the output folder of a run that names none (no ``--out``, no ``out:`` in its
     file, and not ``--no-out`` / ``--out none``); the launcher's command line passes one, so a run
     saves its results unless told not to. Without it such a run writes nothing (sweeps, tests)."""
-    from ..algorithms import ALGORITHMS
+    from ..registry import ALGORITHMS
 
     pre = _Parser(add_help=False, allow_abbrev=False)
     pre.add_argument("--version", action="version", version=_version())
@@ -209,7 +209,7 @@ def resolve(file_values: Dict[str, Any], where: Optional[str], given: Dict[str, 
     algorithm's options, as its flags give them) and ``updates`` (option mappings whose keys replace the
     file's, as --data-opt k=v does). The launcher's flags and :func:`fedhpc.run`'s keywords both come
     here, so they mean the same and are validated alike. Raises ConfigError."""
-    from ..algorithms import ALGORITHMS
+    from ..registry import ALGORITHMS
     from ..data import DATASETS
     from ..data.partition import check_partition
     from ..models import MODELS, check_model_options
@@ -281,7 +281,7 @@ def settings_args(config: Any = None, settings: Optional[Dict[str, Any]] = None)
     as the YAML keys, overriding ``config`` as flags override a file: RunConfig fields (``rounds=5``),
     the algorithm's options (``mu=0.01``, as ``--mu``), and option mappings (``data_options={...}``,
     whose keys replace the file's, as ``--data-opt k=v`` does). ``out=None`` writes nothing."""
-    from ..algorithms import ALGORITHMS
+    from ..registry import ALGORITHMS
 
     if config is None:
         file_values, where = {}, None

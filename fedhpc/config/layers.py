@@ -23,7 +23,7 @@ from .values import coerce_value, flag_for, option_names
 
 def algorithms_with_option(name: Any) -> List[str]:
     """The registered algorithms that have option ``name``, by name."""
-    from ..algorithms import ALGORITHMS
+    from ..registry import ALGORITHMS
 
     return [n for n in ALGORITHMS.names() if name in option_names(ALGORITHMS.get(n).Options)]
 
@@ -31,7 +31,7 @@ def algorithms_with_option(name: Any) -> List[str]:
 def unknown_settings_message(path: str, unknown: List[Any], file_values: Dict[str, Any], algo_name: Any,
                              data_name: Any, model_name: Any) -> str:
     """The message for top-level keys that are not settings: where an option belongs, or the near key."""
-    from ..algorithms import ALGORITHMS
+    from ..registry import ALGORITHMS
     from ..data import DATASETS
     from ..models import MODELS, load_model_modules, model_option_params
 
@@ -121,7 +121,7 @@ def algorithm_identity_settings(algo: Any) -> Tuple[str, ...]:
     """``identity_settings`` of the algorithm named ``algo`` (the settings its updates read beyond
     RunConfig.IDENTITY: pMixFed's schedule reads ``rounds``); () for a name the registry does not
     know (the launcher refuses it, naming it)."""
-    from ..algorithms import ALGORITHMS, load_algorithm_modules
+    from ..registry import ALGORITHMS, load_algorithm_modules
 
     load_algorithm_modules()
     try:
@@ -148,7 +148,7 @@ def identity_changes(layer: Dict[str, Any], final: Dict[str, Any]) -> List[str]:
     with their defaults, a partition's spelling), so a spelling is no change. An option mapping is
     not named when what it belongs to (its algorithm, dataset, model) is: its options are another's.
     A value the launcher would refuse is compared as written (validation names it)."""
-    from ..checkpoint import canonical_identity
+    from .identity import canonical_identity
 
     hints = get_type_hints(RunConfig)
     defaults = RunConfig()
@@ -194,7 +194,7 @@ def options_for_replaced_algorithm(file_values: Dict[str, Any], flag_algo: Optio
     note (:func:`parse_args`): an option of the same name may still mean another thing (FedProx's
     mu is not pMixFed's). The file's ``reference`` is judged with the other settings, by
     :func:`identity_changes`."""
-    from ..algorithms import ALGORITHMS
+    from ..registry import ALGORITHMS
 
     file_algo, opts = file_values.get("algo"), file_values.get("algo_options")
     if (not flag_algo or not isinstance(file_algo, str) or file_algo not in ALGORITHMS
@@ -260,7 +260,7 @@ def reference_for_flags(file_values: Dict[str, Any], cfg: "RunConfig") -> List[s
 
 def algorithm_of_file(file_values: Dict[str, Any]) -> str:
     """The algorithm a config file runs, as the registry names it (RunConfig's default if unset)."""
-    from ..algorithms import ALGORITHMS
+    from ..registry import ALGORITHMS
 
     algo = file_values.get("algo", RunConfig.algo)
     return ALGORITHMS.canonical(algo) if algo in ALGORITHMS else str(algo)

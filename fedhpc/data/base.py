@@ -109,6 +109,14 @@ class ClientData:
     def num_test(self) -> int:
         return int(self.y_test.shape[0])
 
+    def training_on(self, device: torch.device) -> "ClientData":
+        """This client with its training part on ``device``; the local test split stays where it
+        is (evaluation reads it separately), so it is not copied every round."""
+        if device.type == "cpu":
+            return self
+        return ClientData(self.cid, self.x.to(device, non_blocking=True), self.y.to(device, non_blocking=True),
+                          self.x_test, self.y_test)
+
 
 class FederatedData(ABC):
     """A federated dataset: clients with local train/test splits plus a global test set."""

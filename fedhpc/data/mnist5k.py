@@ -26,7 +26,7 @@ clients (every partition fedhpc offers, and the server's base set of the one-sho
 
 Pixels are stored as uint8 (1x28x28) and reach the model as ``x / 255`` in [0, 1] (the
 default transform; no mean / std normalisation, unlike ``--dataset mnist``'s default), so the
-XorMixFL / MixFL codecs (:mod:`fedhpc.algorithms.sample_codecs`) work on the raw uint8
+XorMixFL / MixFL codecs (:mod:`fedhpc.algorithms.oneshot.sample_codecs`) work on the raw uint8
 pixels. ``--model auto`` is ``mix2fld_cnn`` (Mix2FLD's MNIST CNN, 12,544 weights): at the
 command line's defaults (lr 0.05, batch 10, 20 clients) it reaches 0.89 test accuracy in 10
 fedavg rounds, where ``lenet5`` (``--dataset mnist``'s default, which normalises by MNIST's

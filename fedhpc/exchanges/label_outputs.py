@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..algorithms.base import Upload
+from ..round import Upload
 
 
 class LabelOutputs:

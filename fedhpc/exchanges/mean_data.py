@@ -43,7 +43,7 @@ None)``. Text (task ``next_char``, x = character ids of shape (n, T)): a client
 sends the per-position mean *one-hot* characters, shape (T, V). Because an
 embedding is a linear lookup, ``mean_onehot @ E`` is exactly the mean of the
 sequences' embeddings under any embedding matrix E, so these means stay valid as
-the model trains; the mixing code (``fedhpc.algorithms.mixing``) multiplies them
+the model trains; the mixing code (``fedhpc.algorithms.mafl.mixing``) multiplies them
 by the current embedding table and mixes in embedding space (paper, App. B/E).
 Labels are per-position mean one-hot next characters, shape (T, V).
 
@@ -66,8 +66,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..algorithms.base import derive_seed
 from ..errors import ConfigError, DataError
+from ..seeding import derive_seed
 from .ownership import invert_owners, owner_rank
 from .traffic_audit import auditing, record_sent
 

@@ -52,8 +52,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..algorithms.base import derive_seed
 from ..errors import ConfigError, DataError
+from ..seeding import derive_seed
 from .ownership import canonical_order
 
 # --------------------------------------------------------------------------- options

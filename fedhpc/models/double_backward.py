@@ -1,6 +1,6 @@
 """Forward passes whose graph is differentiated twice: keep cuDNN's RNN kernels out of them.
 
-FedMix's l3 term (:func:`fedhpc.algorithms.mixing.fedmix_loss`) and the Hessian-vector
+FedMix's l3 term (:func:`fedhpc.algorithms.mafl.mixing.fedmix_loss`) and the Hessian-vector
 products of :mod:`fedhpc.analysis.hessian_estimators` differentiate a backward pass again. cuDNN's
 RNN kernels have no double backward: on CUDA, a graph recorded through ``nn.LSTM`` /
 ``nn.GRU`` / ``nn.RNN`` with cuDNN on raises "Double backwards is not supported for CuDNN

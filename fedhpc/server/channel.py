@@ -50,7 +50,7 @@ share (``num_channels``) or a budget of at least 101 uplink slots (``t_max_s`` >
 0.202 with ``half``). The 20,000-bit downlink slots carry the model in 21 good
 slots (success 0.988 per slot). The same arithmetic stops FLD's round-1 upload with
 N_S = 50 seeds (about 317,000 bits, 80 good slots) under both settings: see
-``--seed-delivery`` in :mod:`fedhpc.algorithms.fld`.
+``--seed-delivery`` in :mod:`fedhpc.algorithms.distillation.fld`.
 
 Randomness: the link of (round, client, direction) draws its fading from its own
 generator seeded with ``derive_seed(seed, "channel", direction, round, cid)``,
@@ -63,12 +63,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
+import torch
 
-from ..algorithms.base import derive_seed
 from ..errors import ConfigError
+from ..seeding import derive_seed
 
 DIRECTIONS = ("up", "down")
 
@@ -288,6 +289,56 @@ class Channel:
                 f"alpha {o.pathloss_exponent:g}, N0 {o.noise_dbm_per_hz:g} dBm/Hz, theta {theta}, "
                 f"tau {o.slot_s * 1e3:g} ms, T_max {o.t_max_s * 1e3:g} ms ({self.budget} slots per direction); "
                 f"downlink slot success {self.slot_success_probability('down'):.3f}")
+
+
+class RoundLinks:
+    """The channel's bookkeeping in the engine's rounds: each sampled device's uplink and downlink
+    in its row of the round's buffer (summed over ranks with everything else, so every rank
+    reads every device's), then the round's link metrics and the simulated clock.
+
+    Payloads are what the ledger booked for the device this round: its upload, and what it
+    receives. A downlink outage leaves the device on its local model until a later downlink
+    succeeds (the algorithm's ``on_downlink_outage``); an uplink outage makes it a straggler
+    whose upload is lost this round.
+    """
+
+    #: per sampled device: uplink ok, downlink ok, uplink s, downlink s, compute s
+    FIELDS = 5
+
+    def __init__(self, channel: Channel, num_ledger_kinds: int):
+        self.channel = channel
+        self.num_ledger_kinds = num_ledger_kinds
+        #: Mix2FLD's convergence time so far (checkpointed by the engine)
+        self.sim_seconds_total = 0.0
+
+    def device(self, rows: torch.Tensor, round_index: int, cid: int, position: int, num_devices: int,
+               sent: torch.Tensor, compute_s: float) -> Tuple[bool, bool]:
+        """Device ``cid``'s links this round, written into ``rows[position]``; (uplink ok, downlink ok).
+        ``sent``: the ledger's bytes for this device (up kinds, then down kinds)."""
+        k = self.num_ledger_kinds
+        up = self.channel.uplink(round_index, cid, float(sent[:k].sum()), num_devices)
+        down = self.channel.downlink(round_index, cid, float(sent[k:].sum()))
+        row = rows[position]
+        row.copy_(torch.tensor([float(up.ok), float(down.ok), up.seconds, down.seconds, compute_s],
+                               dtype=row.dtype))
+        return up.ok, down.ok
+
+    def round_metrics(self, rows: torch.Tensor, server_s: float) -> Dict[str, float]:
+        """The round's link metrics from every device's row (after the sum over ranks)."""
+        num_devices = rows.shape[0]
+        up_ok, down_ok, up_s, down_s, compute_s = rows.cpu().unbind(1)
+        # Devices compute and upload in parallel (FDMA); the server converts; the broadcast
+        # reaches every device in parallel: Mix2FLD's convergence time adds these delays.
+        sim = float((compute_s + up_s).max()) + server_s + float(down_s.max())
+        self.sim_seconds_total += sim
+        return {
+            "uplink_outages": int(num_devices - up_ok.sum()),
+            "downlink_outages": int(num_devices - down_ok.sum()),
+            "comm_seconds": float(up_s.max() + down_s.max()),
+            "compute_seconds": float(compute_s.max()) + server_s,
+            "sim_round_seconds": sim,
+            "sim_seconds_total": self.sim_seconds_total,
+        }
 
 
 def _check_direction(direction: str) -> None:

@@ -74,11 +74,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..algorithms.base import derive_seed
 from ..data.base import BatchTransform, default_transform
 from ..errors import ConfigError, DataError, NonFiniteLossError
 from ..flat import FlatModel
 from ..reproducible_sum import MAX_TERMS, ReproducibleSum, storage_numel
+from ..seeding import derive_seed
 
 # loss_fn(logits, targets_mb, extra_mb) -> per-sample losses, shape [mb]
 LossFn = Callable[[torch.Tensor, torch.Tensor, Optional[object]], torch.Tensor]
