@@ -68,7 +68,7 @@ def sequential_clients(eng, t):
     for cid in rnd.my_clients:
         seed_torch(derive_seed(cfg.seed, "client", t, cid), eng.world.device)
         eng.flat.load_(eng.global_state)
-        ctx = ClientContext(algo, cid, eng._to_device(eng.data.client(cid)), rnd)  # on the GPU where there is one
+        ctx = ClientContext(algo, cid, eng.data.client(cid).training_on(eng.world.device), rnd)  # on the GPU where there is one
         algo.download(ctx)
         algo.local_update(eng.model, ctx)
         out[cid] = (eng.flat.flat.clone(), float(ctx.loss_sum), ctx.samples)
@@ -258,7 +258,7 @@ def test_padding_is_the_mean_over_real_samples_only():
 def test_epoch_batches_are_each_clients_own_batches():
     eng = make_engine()
     rnd = round_info(eng, 0)
-    ctxs = [ClientContext(eng.algo, c, eng._to_device(eng.data.client(c)), rnd) for c in rnd.my_clients[:3]]
+    ctxs = [ClientContext(eng.algo, c, eng.data.client(c).training_on(eng.world.device), rnd) for c in rnd.my_clients[:3]]
     eb = epoch_batches(ctxs, 1, eng.cfg.batch_size)
     for i, ctx in enumerate(ctxs):
         own = list(ctx.batches(1))
