@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .runs import Group
+if TYPE_CHECKING:  # runs.load_runs imports this module: Group is a type hint here only
+    from .runs import Group
 
 # Shown first, in this order; everything else numeric follows alphabetically.
 KNOWN_METRICS = (
