@@ -1,5 +1,7 @@
 """What a run leaves behind while it runs: ``config.yaml``, ``identity.json`` (its checkpoint
-identity: what config.yaml cannot say, such as the partition rules), ``metrics.jsonl`` (one line per
+identity: what config.yaml cannot say, such as the partition rules), ``run.json`` (the settings as
+resolved, the code, libraries, ranks, hosts and command: :mod:`fedhpc.provenance`; written at the start
+after one gather over the ranks, completed at the end), ``metrics.jsonl`` (one line per
 round, fsynced: an evaluated round's with its evaluation, the others with their training metrics),
 TensorBoard scalars (grouped tags, :func:`fedhpc.report.tensorboard.tensorboard_tag`) and HParams,
 and the line per round on stdout (with the elapsed time and an estimate of the time left).
@@ -15,6 +17,7 @@ checkpoints, so when a round plus a checkpoint takes longer, rank 0 warns once, 
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -24,6 +27,7 @@ from typing import Dict, Optional
 
 from .checkpoint import IDENTITY_FILE, OPTION_MAPPINGS, OPTIONS_AS_RUN, canonical_identity
 from .io import atomic_write_json, atomic_write_text, raise_disk_error
+from .provenance import rank_facts, read_provenance, start_record, write_provenance
 
 #: metrics.jsonl's wall-clock measurements: the only values a rerun, a resumed run or another rank
 #: count does not reproduce (the simulated channel's times add the measured compute)
@@ -96,6 +100,9 @@ class RunLog:
         self._round_plus_eval_seconds: Optional[float] = None
         self._checkpoint_seconds: Optional[float] = None
         self._margin_warned = False
+        self._provenance: Optional[Dict] = None
+        # every rank's host, device and threads for run.json (a collective: every rank, before rank 0 writes)
+        ranks = self.world.all_gather_object(rank_facts(self.world)) if cfg.out else None
         if not (cfg.out and self.is_main):
             return
         os.makedirs(cfg.out, exist_ok=True)
@@ -109,6 +116,19 @@ class RunLog:
         resolved = canonical_identity(identity)  # a model left at 'auto' keeps its options as given
         identity[OPTIONS_AS_RUN] = {k: resolved[k] for k in OPTION_MAPPINGS if isinstance(resolved.get(k), dict)}
         atomic_write_json(os.path.join(cfg.out, IDENTITY_FILE), identity)
+        # run.json: the settings as resolved (the model built, the partition dealt...), the code, the
+        # libraries, the ranks and the command (fedhpc.provenance); an earlier launch's kept in it
+        try:
+            options = canonical_identity({**identity, "model": self.model_name})
+            self._provenance = start_record(
+                cfg, self.world, ranks, self.model_name, self.data,
+                {k: options[k] for k in OPTION_MAPPINGS if isinstance(options.get(k), dict)},
+                previous=read_provenance(cfg.out) if cfg.resume else None)
+        except Exception as e:  # noqa: BLE001 - a record that cannot be made must not cost the run
+            print(f"warning: {cfg.out}/run.json not written ({type(e).__name__}: {e}); the run goes on",
+                  file=sys.stderr, flush=True)
+        if self._provenance is not None:
+            write_provenance(cfg.out, self._provenance)
         path = os.path.join(cfg.out, "metrics.jsonl")
         # On resume keep exactly the rounds the checkpoint covers: the resumed run then
         # appends what the uninterrupted run would have written.
@@ -234,15 +254,25 @@ class RunLog:
         return line
 
     def _write_hparams(self, final: Dict[str, float]) -> None:
-        """Hyperparameters and final metrics for TensorBoard's HParams tab (a sweep compares runs there)."""
+        """At the end of a finished run (rank 0, with --out): run.json completed (``ended``,
+        ``rounds_done``), and the hyperparameters and final metrics for TensorBoard's HParams tab (a
+        sweep compares runs there): the settings as resolved, and as columns those of every point of
+        the sweep the run belongs to (its sweep.json), so that the tab shows each swept setting."""
+        record = getattr(self, "_provenance", None)
+        config = self.cfg.to_dict()
+        if record is not None:
+            record.update(ended=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                          rounds_done=int(final.get("round", self.stop_round)))
+            write_provenance(self.cfg.out, record)
+            config = record["config"]
         if self._tb is None:
             return
         try:
-            from .report.tensorboard import write_hparams
+            from .report.tensorboard import sweep_hparams, write_hparams
         except ImportError:  # tensorboard not installed: the scalars were skipped too
             return
-        write_hparams(os.path.join(self.cfg.out, "tensorboard"), self.cfg.to_dict(), final, writer=self._tb,
-                      scalars_logged=True)
+        write_hparams(os.path.join(self.cfg.out, "tensorboard"), config, final, writer=self._tb,
+                      scalars_logged=True, declared=sweep_hparams(self.cfg.out))
 
     def _close_outputs(self) -> None:
         if self._metrics_file is not None:

@@ -23,11 +23,18 @@ def sweep_dir(tmp_path_factory):
     grid.write_text(yaml.safe_dump({
         "name": "rep", "out": str(root / "sweep"),
         "base": {"rounds": 3, "num_clients": 8, "clients_per_round": 4, "model": "mlp", "lr": 0.1,
-                 "quiet": True, "threads": 1, "tensorboard": False},
+                 "quiet": True, "threads": 1},
         "zip": [{"algo": ["fedavg", "fedprox"], "reference": [{}, REFERENCE]}],
         "axes": {"seed": [0, 1]},
     }))
     assert sweep_main([str(grid), "--local"]) == 0
+    # One code ran the four runs, as far as the report's tests go: a tree edited while they run
+    # (others working in it) would give each run another digest of its changes (run.json's fedhpc).
+    runs = sorted((root / "sweep" / "runs").iterdir())
+    code = json.loads((runs[0] / "run.json").read_text())["fedhpc"]
+    for run in runs[1:]:
+        record = json.loads((run / "run.json").read_text())
+        (run / "run.json").write_text(json.dumps({**record, "fedhpc": code}))
     return root / "sweep"
 
 
@@ -537,3 +544,185 @@ def test_a_target_of_another_accuracy_skips_sampled_rounds_and_says_where_it_is_
     fd_like, logged = (next(line for line in (out / "report.md").read_text().splitlines()
                             if line.startswith("| ") and f"| {algo} |" in line) for algo in ("fedavg", "fedprox"))
     assert "| – (not logged) |" in fd_like and "| never (0/1) |" in logged, (fd_like, logged)
+
+
+# ----------------------------------------------------------------------------- provenance: code, resolved settings
+
+def _edit(run, name, change):
+    path = run / name
+    if name.endswith(".json"):
+        path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    else:
+        path.write_text(yaml.safe_dump(change(yaml.safe_load(path.read_text()))))
+
+
+def _rows(out):
+    """report.md's main table: {first setting cells joined: row cells}, and the header."""
+    lines = [l for l in (out / "report.md").read_text().splitlines() if l.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return header, [[c.strip() for c in l.strip("|").split("|")] for l in lines[1:]
+                    if l.split("|")[1].strip().isdigit()]
+
+
+def test_rows_name_each_value_a_setting_takes_also_where_it_is_the_default(sweep_dir, tmp_path):
+    """FedProx at the default mu beside FedProx at another mu: both rows and both legends name mu (the
+    default's row read "fedprox" with a blank before); FedAvg, which has no mu, shows "-"."""
+    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+    from fedhpc.report.build import _label
+    from fedhpc.report.runs import find_runs, group_runs
+
+    load_algorithm_modules()
+    default_mu = ALGORITHMS.get("fedprox").Options().mu
+    for run in _copy_runs(sweep_dir, tmp_path / "other_mu", algo="fedprox"):
+        _edit(run, "config.yaml", lambda c: {**c, "algo_options": {"mu": default_mu * 10}})
+    out = tmp_path / "rep"
+    assert report_main([str(sweep_dir), str(tmp_path / "other_mu"), "--out", str(out)]) == 0
+    header, rows = _rows(out)
+    assert header[:4] == ["#", "algo", "dataset", "algo_options.mu"]
+    assert [r[1:4] for r in rows] == [["fedavg", "digits", "-"], ["fedprox", "digits", str(default_mu)],
+                                      ["fedprox", "digits", str(default_mu * 10)]]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [g["label"] for g in summary["groups"]] == [
+        "algo=fedavg", f"algo=fedprox, algo_options.mu={default_mu}",
+        f"algo=fedprox, algo_options.mu={default_mu * 10}"]
+    groups = group_runs(find_runs([str(sweep_dir), str(tmp_path / "other_mu")])[0])
+    assert [_label(g, ["algo", "algo_options.mu"]) for g in groups] == [g["label"] for g in summary["groups"]]
+    # one value everywhere, set by nobody and varied by no sweep: not a column (an option of one method
+    # beside another's is no difference either: FedAvg's server_lr beside FedProx)
+    assert report_main([str(sweep_dir), "--out", str(out)]) == 0
+    header, rows = _rows(out)
+    assert header[:4] == ["#", "algo", "dataset", "seeds"] and [r[1] for r in rows] == ["fedavg", "fedprox"]
+
+
+def test_the_axes_a_sweep_declares_are_named_in_every_row(sweep_dir, tmp_path):
+    """A grid whose zip pairs FedAvg with FedProx at mu 0.01 (the default) declares mu an axis: named
+    in the rows and legends although it takes one value."""
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep_dir, copy, ignore=shutil.ignore_patterns("report"))
+    manifest = json.loads((copy / "sweep.json").read_text())
+    for p in manifest["points"]:
+        algo = yaml.safe_load((copy / "runs" / p["id"] / "config.yaml").read_text())["algo"]
+        p["axes"]["algo_options.mu"] = None if algo == "fedavg" else 0.01
+    (copy / "sweep.json").write_text(json.dumps(manifest))
+    out = tmp_path / "rep"
+    assert report_main([str(copy), "--out", str(out)]) == 0
+    header, rows = _rows(out)
+    assert header[:4] == ["#", "algo", "dataset", "algo_options.mu"] and [r[3] for r in rows] == ["-", "0.01"]
+    assert [g["label"] for g in json.loads((out / "summary.json").read_text())["groups"]] == [
+        "algo=fedavg", "algo=fedprox, algo_options.mu=0.01"]
+
+
+def test_settings_left_at_auto_are_read_as_the_run_resolved_them(sweep_dir, tmp_path):
+    """The partition the sweep left at auto is the iid split run.json records, and a model left at
+    auto the one the run built: a run naming them is the same computation (one seed counted once),
+    and rows show the resolved values. A run from before run.json reads auto as today's code deals
+    the partition and as the other runs here resolved the model on its dataset; alone, its model
+    stays config.yaml's auto."""
+    runs = _copy_runs(sweep_dir, tmp_path / "auto")
+    named = _copy_runs(sweep_dir, tmp_path / "named")
+    assert all(yaml.safe_load((r / "config.yaml").read_text())["partition"] == "auto" for r in runs)
+    assert json.loads((runs[0] / "run.json").read_text())["config"]["partition"] == "iid"
+    for run in runs:  # as if the sweep had left the model at auto (run.json records what was built: mlp)
+        _edit(run, "config.yaml", lambda c: {**c, "model": "auto"})
+    for run in named:
+        _edit(run, "config.yaml", lambda c: {**c, "partition": "iid"})
+    (runs[1] / "run.json").unlink()  # a run from before run.json
+    out = tmp_path / "rep"
+    assert report_main([str(tmp_path / "auto"), str(tmp_path / "named"), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(g["n"], g["settings"]["partition"], g["settings"]["model"])
+            for g in summary["groups"]] == [(2, "iid", "mlp")]
+    assert {os.path.dirname(e["path"]) for e in summary["excluded"]} == {str(tmp_path / "named")}  # duplicates
+    shared = next(l for l in (out / "report.md").read_text().splitlines() if l.startswith("Settings shared by"))
+    assert "partition=iid" in shared and "model=mlp" in shared and "=auto" not in shared
+
+    assert report_main([str(runs[1]), "--out", str(out)]) == 0  # nothing here says what its auto model was
+    (group,) = json.loads((out / "summary.json").read_text())["groups"]
+    assert group["settings"]["model"] == "auto" and group["settings"]["partition"] == "iid"
+
+    from fedhpc.report import load_runs
+    rows = {os.path.basename(r["path"]): r for r in load_runs(str(tmp_path / "auto"), as_frame=False)}
+    resolved = rows[runs[0].name]
+    assert (resolved["partition"], resolved["model"], resolved["device"], resolved["threads"]) == (
+        "iid", "mlp", "cpu", 1)
+    assert resolved["fedhpc_version"] and resolved["commit"] == json.loads(
+        (runs[0] / "run.json").read_text())["fedhpc"]["commit"]
+    old = rows[runs[1].name]
+    assert (old["partition"], old["model"], old["device"], old["fedhpc_version"]) == ("iid", "mlp", "auto", None)
+
+
+def test_rows_averaging_runs_of_different_code_are_warned_about_and_named(sweep_dir, tmp_path, capsys):
+    """Two seeds of one row run by different commits, or one from a dirty tree: the row's spread may be
+    the code's. The report warns on stderr and in report.md, naming each run and its code; runs of
+    one code are not warned about."""
+    a, b = _copy_runs(sweep_dir, tmp_path / "runs")
+    out = tmp_path / "rep"
+    capsys.readouterr()
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert "different fedhpc code" not in capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["groups"][0]["code_versions"] is None
+    assert "different fedhpc code" not in (out / "report.md").read_text()
+
+    same = json.loads((a / "run.json").read_text())["fedhpc"]
+    for change in ({"commit": "0123456789abcdef0123", "dirty": False, "diff_sha1": None},
+                   {"dirty": not same["dirty"], "diff_sha1": None if same["dirty"] else "feedc0de" * 5},
+                   {"dirty": True, "diff_sha1": "feedc0de" * 5} if not same["dirty"] else
+                   {"diff_sha1": "feedc0de" * 5}):
+        _edit(b, "run.json", lambda r: {**r, "fedhpc": {**same, **change}})
+        assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0, change
+        err = capsys.readouterr().err
+        (group,) = json.loads((out / "summary.json").read_text())["groups"]
+        assert group["n"] == 2 and set(group["code_versions"]) == {str(a), str(b)}, change
+        assert group["code_versions"][str(a)] != group["code_versions"][str(b)]
+        assert "row #1 (algo=fedavg) averages runs of different fedhpc code" in err
+        assert str(a) in err and str(b) in err and group["code_versions"][str(b)][0] in err
+        md = (out / "report.md").read_text()
+        assert "different fedhpc code" in md and f"| #1 | {b} | {group['code_versions'][str(b)][0]} |" in md
+
+    # a run resumed under other code is one of two codes itself
+    _edit(b, "run.json", lambda r: {**r, "fedhpc": same,
+                                    "earlier_launches": [{"fedhpc": {**same, "commit": "ab" * 20}}]})
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    (group,) = json.loads((out / "summary.json").read_text())["groups"]
+    assert group["code_versions"][str(b)][0].split()[1] == "ab" * 6 and len(group["code_versions"][str(b)]) == 2
+    # a run from before run.json beside one with it: its code cannot be told to be the same
+    (b / "run.json").unlink()
+    assert report_main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    (group,) = json.loads((out / "summary.json").read_text())["groups"]
+    assert group["code_versions"][str(b)] == ["unrecorded"]
+
+
+def test_every_run_of_a_sweep_declares_every_swept_setting_as_an_hparams_column(sweep_dir):
+    """TensorBoard's HParams tab takes its columns from one experiment summary: each run of the sweep
+    declares the sweep's, so FedProx's mu is a column whichever run the tab reads (FedAvg has none),
+    and settings of where or how a run executed are not; each session holds its resolved values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    from fedhpc.algorithms import ALGORITHMS, load_algorithm_modules
+
+    load_algorithm_modules()
+    declared = json.loads((sweep_dir / "sweep.json").read_text())["hparams"]
+    assert declared["algo_options.mu"] == "number" and declared["algo"] == "string"
+    columns, sessions = [], {}
+    for name in sorted(os.listdir(sweep_dir / "runs")):
+        ev = EventAccumulator(str(sweep_dir / "runs" / name / "tensorboard"))
+        ev.Reload()
+        content = ev.PluginTagToContent(metadata.PLUGIN_NAME)
+        experiment = HParamsPluginData.FromString(content[metadata.EXPERIMENT_TAG]).experiment
+        columns.append({h.name for h in experiment.hparam_infos})
+        start = HParamsPluginData.FromString(content[metadata.SESSION_START_INFO_TAG]).session_start_info
+        hp = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
+        sessions.setdefault(hp["algo"], []).append(hp)
+        assert {m.name.tag for m in experiment.metric_infos} >= {"test/accuracy", "train/loss"}
+    assert len(columns) == 4 and all(c == columns[0] for c in columns)
+    assert {"algo", "lr", "seed", "partition", "model", "algo_options.mu", "algo_options.server_lr"} <= columns[0]
+    assert columns[0] >= set(declared)
+    assert not columns[0] & {"data_dir", "threads", "collective_timeout", "client_state_budget_mb",
+                             "eval_batch_size", "device", "out", "checkpoint_every", "data_options.store"}
+    assert not any(c.startswith("channel_options.") for c in columns[0])  # no channel in these runs
+    for hp in sessions["fedprox"]:
+        assert hp["algo_options.mu"] == ALGORITHMS.get("fedprox").Options().mu  # the default, as run
+        assert hp["partition"] == "iid" and hp["model"] == "mlp"  # resolved: the sweep left partition at auto
+    assert all("algo_options.mu" not in hp for hp in sessions["fedavg"])

@@ -10,13 +10,16 @@ from ..errors import ConfigError
 from ..io import atomic_write_json, atomic_write_text, probe_write
 from .plots import LeftOut, left_out_rows, plot_groups
 from .render import Document, fmt_stat, fmt_value, unit_of
-from .runs import Group, Run, find_runs, group_runs, varying_settings
+from .runs import Group, Run, _warn, find_runs, group_runs, shown_settings
 from .summary import (best_stats, can_be_reached, final_stats, metric_names, no_final_value, reference_comparison,
                       time_to_target)
 
 
 def _label(group: Group, keys: List[str]) -> str:
-    return ", ".join(f"{k}={group.settings[k]}" for k in keys if k in group.settings) or "all runs"
+    """``algo=fedprox, algo_options.mu=0.01``: the row's value of each of ``keys`` it has (an option
+    at its default included: :meth:`Group.display`)."""
+    shown = group.display
+    return ", ".join(f"{k}={shown[k]}" for k in keys if k in shown) or "all runs"
 
 
 def _default_title(roots: List[str]) -> str:
@@ -61,7 +64,7 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
                           f"(python -m fedhpc.launch --out DIR writes them)")
     duplicates: List[Tuple[Run, Run]] = []
     groups = group_runs(runs, duplicates)
-    varying = varying_settings(groups)
+    varying = shown_settings(groups)
     # The table always names the algorithm and dataset; plot legends only what tells rows apart.
     keys = ["algo", "dataset"] + [k for k in varying if k not in ("algo", "dataset")]
     labels = [_label(g, varying or ["algo"]) for g in groups]
@@ -81,8 +84,13 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
             "target": None, "reference": g.reference or None,
             "comparison": reference_comparison(g, finals, bests),
             "no_final_value": no_final_value(g, names),
+            "code_versions": g.code_versions() or None,
+            "shown": {k: g.display.get(k) for k in keys if k in g.display},
             "_finals": finals, "_bests": bests,
         })
+        if g.code_versions():
+            _warn(f"row #{i} ({label}) averages runs of different fedhpc code: " + "; ".join(
+                f"{path} ran {' then '.join(v)}" for path, v in g.code_versions().items()))
         if target is not None:
             summaries[-1]["target"] = time_to_target(g, target, target_metric)
 
@@ -104,6 +112,12 @@ def build_report(roots: List[str], out_dir: str, target: Optional[float] = None,
         if refs:
             doc.para("Paper numbers:")
             doc.items(refs)
+        mixed = [s for s in summaries if s["code_versions"]]
+        if mixed:
+            doc.para("Warning: these rows average runs of different fedhpc code (version, git commit, or a "
+                     "dirty tree and its changes, from each run's run.json), so their spread may be the code's:")
+            doc.table([["row", "run", "code"]] + [[f"#{s['row']}", path, " then ".join(v)]
+                                                  for s in mixed for path, v in s["code_versions"].items()])
         shared = {k: v for k, v in groups[0].settings.items() if k not in keys
                   and all(json.dumps(g.settings.get(k), default=str) == json.dumps(v, default=str) for g in groups)}
         if shared:
@@ -182,7 +196,7 @@ def _main_table(summaries, keys: List[str], names: List[str], target: Optional[f
     table = [header]
     for s in summaries:
         f, b = s["_finals"], s["_bests"]
-        row = [f"{s['row']}"] + [str(s["settings"].get(k, "-")) for k in keys] + [str(s["n"])]
+        row = [f"{s['row']}"] + [str(s["shown"].get(k, "-")) for k in keys] + [str(s["n"])]
         for m in accs:
             row += [_over(f.get(m), m, s), _over(b.get(m), m, s)]
         up, down = f.get("bytes_up_total"), f.get("bytes_down_total")

@@ -94,7 +94,9 @@ def plan(grid: Grid, sweep_dir: str):
 
 
 def write_sweep(grid: Grid, planned, sweep_dir: str) -> None:
-    """points/<id>.yaml and the sweep.json manifest (the report lists points not started from it)."""
+    """points/<id>.yaml and the sweep.json manifest (the report lists points not started from it and
+    reads their declared axes; each run declares its ``hparams``, every point's TensorBoard HParams
+    column, so that the tab shows every swept setting whichever run it takes its columns from)."""
     for sub in ("points", "runs", "logs", "slurm"):
         os.makedirs(os.path.join(sweep_dir, sub), exist_ok=True)
     for p, _ in planned:
@@ -103,7 +105,18 @@ def write_sweep(grid: Grid, planned, sweep_dir: str) -> None:
         "name": grid.name, "grid": os.path.abspath(grid.path), "ranks": grid.ranks, "written": time.time(),
         "points": [{"index": p.index, "id": p.id, "label": p.label, "axes": p.axes, "rounds": p.rounds}
                    for p, _ in planned],
+        "hparams": _hparam_columns([p for p, _ in planned]),
     })
+
+
+def _hparam_columns(points) -> dict:
+    """The TensorBoard HParams columns of the points ({name: type}); {} where tensorboard's part of
+    fedhpc cannot be imported (the runs then write no event files either)."""
+    try:
+        from ..report.tensorboard import sweep_hparam_types
+    except ImportError:
+        return {}
+    return sweep_hparam_types(p.config for p in points if p.config is not None)
 
 
 def _next_array_number(sweep_dir: str) -> int:
