@@ -49,7 +49,11 @@ def _commit(name):
 COMMON = ["--rounds", "4", "--checkpoint-every", "2", "--threads", "1", "--no-tensorboard", "--quiet"]
 #: what today's resume must be told that the old run did not write down
 TODAY = {"pmixfed": ["--first-layer-index", "0"],  # the only numbering before the option existed
-         "pmixfed_dynamic": ["--first-layer-index", "0"]}
+         "pmixfed_dynamic": ["--first-layer-index", "0"],
+         # the seeds' label schedule before 'balanced' became the default (a resume without the
+         # flag keeps it too: --seed-pairing auto); today's uninterrupted run must use it as well
+         "mixfld": ["--seed-pairing", "shared"],
+         "mix2fld": ["--seed-pairing", "shared"]}
 
 
 def _argv(name):

@@ -161,15 +161,15 @@ def inverse_mixup(seeds: SeedSet, n_out: int, N: int = 2, generator: Optional[to
         raise DataError(
             f"no valid inverse-mixup combination among {len(seeds)} mixed seeds of {len(np.unique(owner))} "
             f"device(s): N = {N} seeds whose label tuples are rotations of one another, from {N} different "
-            f"devices, are needed. Raise --seeds-per-device or the number of devices; --seed-pairing shared "
-            f"(the default) schedules such partners, random leaves them to chance")
+            f"devices, are needed. Raise --seeds-per-device or the number of devices; --seed-pairing balanced "
+            f"(the default) or shared schedules such partners, random leaves them to chance")
     elif len(combos) < need:
         per_device = N * len(combos) // max(len(np.unique(owner)), 1)
         raise DataError(f"only {len(combos)} distinct inverse-mixup combinations exist ({N * len(combos)} samples), "
                         f"fewer than the {n_out} asked for (--inverse-per-device times the devices): lower "
                         f"--inverse-per-device (these seeds give {per_device} per device) or upload more seeds "
-                        f"(--seeds-per-device; --seed-pairing shared, the default, gives far more symmetric "
-                        f"partners than random)")
+                        f"(--seeds-per-device; --seed-pairing balanced, the default, or shared give far more "
+                        f"symmetric partners than random)")
     combos = combos[:need]
     parents = torch.tensor(combos, dtype=torch.long).reshape(-1, N)         # (k, N), ordered by rotation
     k = len(combos)

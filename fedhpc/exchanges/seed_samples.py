@@ -16,21 +16,34 @@ devices it hosts, one ``all_gather_object`` carries them, and every rank sorts
 them by (device id, position), so the collected set is identical for any
 number of ranks.
 
-How devices choose label tuples (``pairing``); the paper leaves this open. The
-server can only invert seeds whose label tuples are rotations of each other
-(Eq. 8; for N = 2: (a, b) on one device and (b, a) on another). With the
-literal reading of Eq. 6 (``"random"``: i uniform over the device's data, j
-uniform over the samples of other labels) and 10 labels, a seed finds on
-average about one mirrored partner among 90 seeds of 9 other devices, so a
-third of the seeds have none and N_I = 2 N_S is out of reach. The default,
-``"shared"``, keeps the samples random but coordinates the labels: seed slot s
-on every device uses the same label set, the first N labels of a permutation
-of all labels drawn from ``derive_seed(schedule_seed, "seed-labels", s)``
-among the labels the device holds (so devices missing a label fall back to the
-next labels of the same permutation and still agree with devices holding the
-same labels), and device ``cid`` uses the rotation ``cid mod N`` of that tuple.
-With 10 devices 0..9 and N = 2, every slot then has five devices in each
-orientation (25 cross-device pairs per slot).
+How devices choose label tuples (``pairing``); the paper leaves this open beyond "randomly
+selects two ... samples having different labels" (Sec. III-B). The server can only invert seeds
+whose label tuples are rotations of each other (Eq. 8; for N = 2: (a, b) on one device and
+(b, a) on another), so the schedules coordinate the labels and leave the samples random:
+
+* ``"balanced"`` (the default for new runs): seed slot s on every device uses the same label
+  tuple, and device ``cid`` its rotation ``cid mod N``, as under ``"shared"``; but the slots'
+  tuples are dealt from a deck of seeded label permutations (:func:`balanced_tuples`), N
+  distinct labels at a time, so that consecutive slots run through *every* label before any
+  label comes back. With 10 labels and N = 2, slots 0-4 hold each label once, slots 5-9 once
+  more: every device's N_S seeds, and the server's set, hold every label N_S N / 10 times
+  (N_S = 10, 20, 50), or within one slot of it when 10 does not divide N_S N. Every slot
+  still has |D| / N devices in each rotation (25 cross-device pairs per slot with 10 devices
+  and N = 2), so N_I = 2 N_S is within reach.
+* ``"shared"``: the schedule before ``"balanced"``: each slot's tuple drawn on its own, the first
+  N labels of a fresh permutation from ``derive_seed(schedule_seed, "seed-labels", s)``. Slots
+  then repeat labels and miss others: at N_S = 10 the server's set of run seed 0 lacks labels 1,
+  5 and 6 (tests/test_seed_coverage.py). Kept so that a run started under it resumes under it.
+* ``"random"``: the literal reading of Eq. 6 (i uniform over the device's data, j uniform over
+  the samples of other labels). With 10 labels a seed finds on average about one mirrored
+  partner among 90 seeds of 9 other devices, so a third of the seeds have none and N_I = 2 N_S
+  is out of reach.
+* ``"auto"`` (the option's default): ``"balanced"``, except for a run resumed from a checkpoint
+  written before ``"balanced"`` existed, which keeps ``"shared"`` (:func:`resolve_pairing`).
+
+Under the two shared schedules a device missing a label of its slot's tuple takes the first N
+labels it holds of the slot's preference order (the tuple, then the other labels in a seeded
+order common to all devices), so devices missing the same labels still agree with each other.
 
 Samples inside a label are taken from a shuffled per-label queue, so no raw
 sample enters two seeds of a device until every sample of its label has been
@@ -52,7 +65,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError, DataError
+from ..errors import CheckpointError, ConfigError, DataError
 from ..seeding import derive_seed
 from .ownership import canonical_order
 
@@ -72,9 +85,16 @@ class SeedSampleOptions:
         "help": "N: raw samples per mixed seed and mixed seeds per inverse mixup (Eq. 8)"})
     seed_ratios: str = field(default="", metadata={
         "help": "explicit ratios lambda_1,...,lambda_N (comma separated, summing to 1); overrides --seed-lam"})
-    seed_pairing: str = field(default="shared", metadata={
-        "help": "label tuples: shared (a common seeded schedule, rotated by device id, so the server finds "
-                "symmetric partners) or random (Eq. 6 read literally)"})
+    seed_pairing: str = field(default="auto", metadata={
+        "help": "label tuples: balanced (every device the same tuple per slot, rotated by device id, so the "
+                "server finds mirrored partners; slots dealt from a deck of label permutations, so every label "
+                "is used evenly) | shared (the same, each slot's tuple drawn on its own: labels can be missed) | "
+                "random (Eq. 6 read literally) | auto (balanced; a run resumed from a checkpoint that predates "
+                "balanced keeps shared)",
+        # compared with the checkpointed state on a resume (MixFLD.load_state_dict), which knows that
+        # a checkpoint without the record ran 'shared' (the default then); the identity would fill
+        # that checkpoint's {} with today's default and refuse an explicit 'shared'
+        "checked_by_state": True})
 
     def ratios(self) -> Tuple[float, ...]:
         if self.seed_ratios.strip():
@@ -95,7 +115,28 @@ class SeedSampleOptions:
         self.ratios()
 
 
-PAIRINGS = ("shared", "random")
+PAIRINGS = ("auto", "balanced", "shared", "random")
+#: what a run whose checkpoint does not record its pairing ran with (before "balanced" existed)
+LEGACY_PAIRING = "shared"
+
+
+def resolve_pairing(option: str, saved: Optional[str] = None, resumed_without_record: bool = False) -> str:
+    """The schedule a run uses: ``option`` unless it is ``"auto"``, which means ``saved`` (the
+    schedule its checkpoint recorded), else ``"shared"`` for a run resumed from a checkpoint that
+    recorded none (written before ``"balanced"`` existed, when ``"shared"`` was the default), else
+    ``"balanced"``. Raises CheckpointError where ``option`` cannot be what the checkpoint ran."""
+    if saved is None and resumed_without_record:
+        if option == "balanced":
+            raise CheckpointError(
+                f"the checkpoint's seeds were made before --seed-pairing balanced existed, with shared (the "
+                f"default then) or random (if the run asked for it); resume with --seed-pairing auto (the "
+                f"default: shared for such a checkpoint), shared or random")
+        return LEGACY_PAIRING if option == "auto" else option
+    resolved = option if option != "auto" else (saved if saved is not None else "balanced")
+    if saved is not None and resolved != saved:
+        raise CheckpointError(f"the checkpoint's seeds were made with --seed-pairing {saved}, this run asks for "
+                              f"{resolved}; resume with --seed-pairing {saved} (or auto)")
+    return resolved
 
 
 def mixing_ratios(lam: Union[float, Sequence[float]], n: int = 2) -> Tuple[float, ...]:
@@ -262,13 +303,58 @@ def _slot_permutation(schedule_seed: int, slot: int, num_classes: int) -> torch.
     return torch.randperm(num_classes, generator=g)
 
 
-def _shared_tuple(slot: int, held: torch.Tensor, n: int, num_classes: int, schedule_seed: int, cid: int) -> List[int]:
-    """Slot ``slot``'s label tuple: the first N held labels of a permutation common to all devices, rotated by cid."""
-    perm = _slot_permutation(schedule_seed, slot, num_classes)
-    base = perm[held[perm]][:n]
+@functools.lru_cache(maxsize=64)
+def balanced_tuples(schedule_seed: int, n_slots: int, n: int, num_classes: int) -> Tuple[Tuple[int, ...], ...]:
+    """The ``"balanced"`` schedule: slot s's label tuple, common to all devices, for s < ``n_slots``.
+
+    Dealt from a deck: permutation k of all labels, ``derive_seed(schedule_seed, "seed-label-deck",
+    k)``, is appended when the deck runs short; each slot takes the N first labels of the deck that
+    are not yet in its tuple, in deck order. So each permutation is used up before the next one
+    starts, every label comes once per C / N slots (C labels; within one slot of it where N does
+    not divide C), and no tuple repeats a label. Cached: the same for every device."""
+    if not 2 <= n <= num_classes:
+        raise ConfigError(f"a label tuple of N = {n} different labels needs N <= {num_classes} labels")
+    deck: List[int] = []
+    drawn = 0
+    out = []
+    for _ in range(n_slots):
+        t: List[int] = []
+        while len(t) < n:
+            i = next((i for i, c in enumerate(deck) if c not in t), None)
+            if i is None:  # the deck holds only labels already in the tuple: the next permutation
+                g = torch.Generator().manual_seed(derive_seed(schedule_seed, "seed-label-deck", drawn))
+                deck.extend(torch.randperm(num_classes, generator=g).tolist())
+                drawn += 1
+                continue
+            t.append(deck.pop(i))
+        out.append(tuple(t))
+    return tuple(out)
+
+
+def _held_first(order: torch.Tensor, held: torch.Tensor, n: int, cid: int) -> List[int]:
+    """The first N labels of ``order`` the device holds, rotated by ``cid mod N``."""
+    base = order[held[order]][:n]
     # torch.roll(a, r)[m] = a[m - r]: device rotation r weighs base label l with lam[(l + r) mod N],
     # row r of Eq. 8's circulant.
     return torch.roll(base, cid % n).tolist()
+
+
+def _shared_tuple(slot: int, held: torch.Tensor, n: int, num_classes: int, schedule_seed: int, cid: int) -> List[int]:
+    """Slot ``slot``'s label tuple: the first N held labels of a permutation common to all devices, rotated by cid."""
+    return _held_first(_slot_permutation(schedule_seed, slot, num_classes), held, n, cid)
+
+
+def _balanced_tuple(slot: int, tuples: Sequence[Tuple[int, ...]], held: torch.Tensor, n: int, num_classes: int,
+                    schedule_seed: int, cid: int) -> List[int]:
+    """Slot ``slot``'s tuple of :func:`balanced_tuples`, rotated by cid; a device missing one of its
+    labels takes its first N held labels of (the tuple, then the slot's permutation of the rest)."""
+    t = tuples[slot]
+    if bool(held[list(t)].all()):
+        order = torch.tensor(t)
+    else:
+        rest = [c for c in _slot_permutation(schedule_seed, slot, num_classes).tolist() if c not in t]
+        order = torch.tensor(list(t) + rest)
+    return _held_first(order, held, n, cid)
 
 
 def _random_tuple(counts: torch.Tensor, n: int, generator: torch.Generator) -> List[int]:
@@ -284,7 +370,7 @@ def _random_tuple(counts: torch.Tensor, n: int, generator: torch.Generator) -> L
 
 def mixed_seeds(x: torch.Tensor, y: torch.Tensor, n_seeds: int, lam: Union[float, Sequence[float]],
                 num_classes: int, generator: torch.Generator, *, cid: int, n_mix: int = 2,
-                pairing: str = "shared", schedule_seed: int = 0) -> SeedSet:
+                pairing: str = "balanced", schedule_seed: int = 0) -> SeedSet:
     """MixFLD's seeds (Eq. 6): each mixes N samples of N different labels with ratios (lam_1..lam_N).
 
     ``lam`` is a number (ratios from :func:`mixing_ratios` with N = ``n_mix``) or the
@@ -297,8 +383,9 @@ def mixed_seeds(x: torch.Tensor, y: torch.Tensor, n_seeds: int, lam: Union[float
     """
     ratios = mixing_ratios(lam, len(lam) if not isinstance(lam, (int, float)) else n_mix)
     n = len(ratios)
-    if pairing not in PAIRINGS:
-        raise ConfigError(f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
+    if pairing not in PAIRINGS or pairing == "auto":
+        raise ConfigError(f"pairing must be one of {', '.join(p for p in PAIRINGS if p != 'auto')} "
+                          f"(resolve 'auto' with resolve_pairing), got {pairing!r}")
     y = _check_inputs(x, y, n_seeds, num_classes, cid)
     counts = torch.bincount(y, minlength=num_classes)
     held = counts > 0
@@ -307,10 +394,15 @@ def mixed_seeds(x: torch.Tensor, y: torch.Tensor, n_seeds: int, lam: Union[float
                         f"a mixed seed needs N = {n} samples of different labels (Mix2FLD Eq. 6). Use a "
                         f"partition giving every device at least {n} labels, or raw seeds (FLD)")
     queues = _LabelQueues(y, generator)
+    deck = balanced_tuples(schedule_seed, n_seeds, n, num_classes) if pairing == "balanced" else None
     tuples, sources = [], []
     for s in range(n_seeds):
-        t = (_shared_tuple(s, held, n, num_classes, schedule_seed, cid) if pairing == "shared"
-             else _random_tuple(counts, n, generator))
+        if pairing == "balanced":
+            t = _balanced_tuple(s, deck, held, n, num_classes, schedule_seed, cid)
+        elif pairing == "shared":
+            t = _shared_tuple(s, held, n, num_classes, schedule_seed, cid)
+        else:
+            t = _random_tuple(counts, n, generator)
         tuples.append(t)
         sources.append([queues.take(c) for c in t])
     labels = torch.tensor(tuples, dtype=torch.long)
