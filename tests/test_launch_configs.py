@@ -5,6 +5,7 @@ Issue 7, section 6: a config that silently inherits a dataset's augmentation def
 (CIFAR: random crop + flip on) does not reproduce a paper that used none.
 """
 
+import json
 import os
 from dataclasses import fields
 
@@ -107,3 +108,79 @@ def test_every_config_builds_its_run(name, data_dirs):
                                             "--quiet", "--no-tensorboard", "--threads", "1"])
     eng = Engine(cfg, algo_opts, data_opts, World(threads=1))
     assert eng.global_state.numel() > 0 and eng.data.num_clients == cfg.num_clients
+
+
+# ---------------------------------------------------------------- one run, one paper number
+
+def run_settings(name):
+    """What a file's run computes: its resolved settings (every option at its value, defaults
+    included) without the reference, the settings that only say how or where it runs (RUN_LOCAL,
+    the seed kept), and the algorithm options that cannot change its numbers given the others
+    (``inert_options``: XorMixFL's alpha at M = 1, where a blend of one sample is that sample)."""
+    import dataclasses
+
+    from fedhpc.report.runs import RUN_LOCAL
+    from fedhpc.registry import ALGORITHMS
+
+    cfg, algo_opts, data_opts = parse_args(["--config", os.path.join(LAUNCH_DIR, name)])
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_LOCAL or k == "seed"}
+    settings.pop("algo_options", None), settings.pop("data_options", None)
+    settings["algo"] = ALGORITHMS.canonical(cfg.algo)
+    inert = set(getattr(algo_opts, "inert_options", lambda: ())()) if algo_opts is not None else set()
+    if algo_opts is not None:
+        settings["algo_options"] = {k: v for k, v in dataclasses.asdict(algo_opts).items() if k not in inert}
+    if data_opts is not None:
+        settings["data_options"] = dataclasses.asdict(data_opts)
+    return json.dumps(settings, sort_keys=True, default=str), cfg.reference
+
+
+def test_launch_files_that_run_the_same_carry_the_same_reference_number():
+    """A launch file whose run cannot differ from another's must not carry a different paper number:
+    a report would set two numbers beside one experiment. (Table 4 of the XorMixFL paper varies
+    alpha at M = 1, where XorMixFL blends nothing: its three M = 1 cells per number of dummy labels
+    are one run.)"""
+    groups = {}
+    for name in FILES:
+        key, ref = run_settings(name)
+        groups.setdefault(key, []).append((name, ref))
+    clashes = []
+    for members in groups.values():
+        numbers = {(ref.get("metric"), ref.get("stat"), ref.get("value")) for _, ref in members
+                   if ref.get("value") is not None}
+        if len({(m, s) for m, s, _ in numbers}) < len(numbers):
+            clashes.append(sorted(f"{name} ({ref.get('value')})" for name, ref in members))
+    assert not clashes, f"launch files that run the same experiment carry different reference numbers: {clashes}"
+
+
+def test_xormixfl_alpha_blends_nothing_at_m1_and_mixfl_alpha_is_its_mixup_ratio():
+    """The inertness run_settings relies on, checked on the codec: at M = 1 XorMixFL's uploads
+    and decodings are the same bits for every alpha; MixFL's are not (alpha is its ratio on the
+    target, Table 4), nor XorMixFL's at M = 5."""
+    import torch
+
+    from fedhpc.algorithms.oneshot.mixfl import MixFLOptions
+    from fedhpc.algorithms.oneshot.base import EncodingOptions
+    from fedhpc.algorithms.oneshot.sample_codecs import encode_device, xor_decode
+
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (60, 1, 6, 6), generator=g, dtype=torch.uint8)
+    labels = torch.arange(60) % 4
+
+    def run(kind, alpha, m):
+        lam = MixFLOptions(blend_alpha=alpha, max_blend=m).ratio()
+        enc = encode_device(pixels, labels, {0: 8}, [0], 2, m, alpha, torch.Generator().manual_seed(1), 0,
+                            kind=kind, lam=lam, num_classes=4)
+        if kind == "mix":
+            return enc.x, enc.soft
+        return enc.x, xor_decode(enc, pixels, labels, m, alpha, torch.Generator().manual_seed(2))[0]
+
+    def same(a, b):
+        return all(torch.equal(u, v) for u, v in zip(a, b))
+
+    assert same(run("xor", 0.25, 1), run("xor", 0.95, 1))
+    assert EncodingOptions(blend_alpha=0.25, max_blend=1).inert_options() == ("blend_alpha",)
+    assert not same(run("xor", 0.25, 5), run("xor", 0.95, 5))
+    assert EncodingOptions(blend_alpha=0.25, max_blend=5).inert_options() == ()
+    assert not same(run("mix", 0.25, 1), run("mix", 0.95, 1))
+    assert MixFLOptions(blend_alpha=0.25, max_blend=1).inert_options() == ()
+    assert MixFLOptions(blend_alpha=0.25, max_blend=1, mix_lam=0.5).inert_options() == ("blend_alpha",)

@@ -111,7 +111,8 @@ class EncodingOptions(ServerTrainingOptions):
 
     num_dummy: int = field(default=1, metadata={"help": "dummy labels per encoded sample (Table 4: 1, 2, 3)"})
     blend_alpha: float = field(default=0.5, metadata={
-        "help": "alpha of the pairwise sample blending, Eq. 1 (Table 4: 0.25, 0.5, 0.95; authors 0.5)"})
+        "help": "alpha of the pairwise sample blending, Eq. 1 (Table 4: 0.25, 0.5, 0.95; authors 0.5); blends "
+                "nothing at --max-blend 1 (XorMixFL), where MixFL still mixes target and dummies with it"})
     max_blend: int = field(default=2, metadata={
         "help": "M: samples blended per label (1 = none; Table 4: 1, 5; authors 2)"})
     dummy_labels: str = field(default="", metadata={
@@ -141,6 +142,13 @@ class EncodingOptions(ServerTrainingOptions):
             raise ConfigError(f"--dummy-labels {self.dummy_labels!r} lists {len(pool)} label(s), fewer than "
                               f"--num-dummy {self.num_dummy}; list at least that many")
 
+    def inert_options(self) -> Tuple[str, ...]:
+        """Options that cannot change this run's numbers given the others: alpha at M = 1, where the
+        blend of one sample is that sample (Eq. 1) and XOR takes no ratio (Eqs. 2-3). Two runs whose
+        settings differ only in these are the same run (tests/test_launch_configs.py holds the
+        launch files to it)."""
+        return ("blend_alpha",) if self.max_blend == 1 else ()
+
     def dummy_pool(self) -> Optional[List[int]]:
         """The labels dummies may come from, or None for any non-target label."""
         text = str(self.dummy_labels).strip().strip("[]()")
@@ -165,6 +173,13 @@ class OneShotServer(Algorithm):
 
     Options = ServerTrainingOptions
     ledger_kinds = ("parameters", "encoded")
+    #: the server base set of a run that gives no ``server_*`` data option (:mod:`fedhpc.config.auto`):
+    #: the digits twin of the paper's Table 2, target label 0 (``launch/xormixfl_digits.yaml``): 40
+    #: images of every label and 2 of the target label, the paper's 1:20 (its MNIST setting, 200 and
+    #: 10, is in ``launch/xormixfl_mnist_*.yaml``). Every in-memory dataset here holds that much
+    #: (digits about 143 per label, mnist5k 400); the devices share out the rest of the pool
+    auto_data_options = {"server_per_label": 40, "server_deficient": "0", "server_deficient_count": 2}
+    auto_data_options_why = "the server's base set: XorMixFL Table 2's 1:20, target label 0, at digits scale"
     #: whether uploads are linear mixes of raw samples (recoverable given one part): the audit's flag
     linear_mix = False
 
@@ -273,6 +288,10 @@ class EncodedUploads(OneShotServer):
                               f"not hold: {e}; use a dataset stored as pixels (uint8, or floats in [0, 1]), e.g. "
                               f"--dataset digits or mnist") from None
 
+    def mix_ratio(self) -> float:
+        """MixFL's ratio on the target blend; XOR encoding takes none (unused)."""
+        return 0.5
+
     def device_pixels(self, cid: int) -> Tuple[torch.Tensor, torch.Tensor]:
         c = self.data.client(cid)
         return to_pixels(c.x), c.y
@@ -299,7 +318,7 @@ class EncodedUploads(OneShotServer):
                 pixels, labels = self.device_pixels(cid)
                 g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "oneshot-encode", cid))
                 enc = encode_device(pixels, labels, req, targets, o.num_dummy, o.max_blend, o.blend_alpha, g,
-                                    cid, kind=self.kind, lam=getattr(o, "mix_lam", 0.5),
+                                    cid, kind=self.kind, lam=self.mix_ratio(),
                                     num_classes=self.num_classes, dummy_pool=o.dummy_pool())
                 # The audit runs where the device's raw data already is (its hosting rank), so no rank
                 # loads every device; uint8 samples are equal when their distance is below 1.
