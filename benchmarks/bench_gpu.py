@@ -41,8 +41,12 @@ device when it trains (``ClientData.training_on``) and end a round synchronised 
 
     python benchmarks/bench_gpu.py [--rounds 20] [--warmup 3] [--only cnn,lenet5] [--modes plain,seq,batched]
                                    [--repeats 1] [--threads N] [--json OUT.json]
-    python benchmarks/bench_gpu.py --device cpu --only cnn,cnn50,lenet5 --modes plain,seq,batched \
-                                   --rounds 8 --warmup 2 --repeats 3 --threads 1      # the CPU table
+    python benchmarks/bench_gpu.py --device cpu --in-process --only cnn,cnn50,lenet5 --modes plain,seq,batched \\
+                                   --rounds 12 --warmup 2 --threads 1                 # the CPU table
+
+``--in-process`` runs the plain, seq and batched rows in this one process instead, interleaved round
+by round with the order rotating (:func:`in_process`; no NVML, no test accuracy): the ratios to take
+on a machine shared with other work, where separate processes seconds apart see different loads.
 
 On ``--device cuda`` (the default) it needs a CUDA GPU (exits otherwise); ``--device cpu``
 runs the same rows on the CPU without NVML. Nothing here runs in CI.
@@ -265,6 +269,75 @@ def run_one(name, mode, args, tmp, repeat=0):
     return res
 
 
+def in_process(name, modes, args):
+    """``--in-process``: the workload's plain, seq and batched rounds in this one process, interleaved round
+    by round (the order rotating each round), as bench_round.py and bench_batched.py measure on the CPU:
+    on a machine shared with other work a slow spell then hits every mode alike. Engines from the rows'
+    launcher arguments; only ``run_round`` and the plain round are timed (synchronised on a GPU).
+    Returns one row per mode, its ratios the medians of the per-round ratios."""
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+    from fedhpc.models import build_model
+    from fedhpc.world import World
+
+    w = WORKLOADS[name]
+    base = ["--device", args.device, *COMMON, *w["args"], "--clients-per-round", str(w["per_round"]),
+            "--rounds", str(args.rounds), "--no-out"] + (["--threads", str(args.threads)] if args.threads else [])
+    engines, plain = {}, None
+    for mode in ("seq", "batched"):
+        if mode in modes:
+            extra = ["--clients-at-once", str(w["per_round"])] if mode == "batched" else []
+            cfg, ao, do = parse_args(base + extra)
+            engines[mode] = Engine(cfg, ao, do, World(cfg.device, cfg.threads, cfg.collective_timeout,
+                                                      cfg.collective_backend, cfg.deterministic))
+    cfg, ao, do = parse_args(base)
+    if "plain" in modes:
+        eng = engines.get("seq") or Engine(cfg, ao, do, World(cfg.device, cfg.threads, cfg.collective_timeout,
+                                                               cfg.collective_backend, cfg.deterministic))
+        device = eng.world.device
+        model = build_model(eng.model_name, eng.data.model_input_shape(train=True), eng.data.num_classes,
+                            cfg.model_options).to(device)
+        plain = {"data": eng.data, "model": model, "device": device,
+                 "sd": {k: v.clone().to(device) for k, v in eng.flat.state_dict_from(eng.global_state).items()}}
+    device = next(iter(engines.values())).world.device if engines else plain["device"]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    order = [m for m in MODES if m in modes and m in ("plain", "seq", "batched")]
+    times = {m: [] for m in order}
+    for t in range(args.rounds):
+        turn = order[t % len(order):] + order[:t % len(order)]
+        for mode in turn:
+            sync()
+            t0 = time.perf_counter()
+            if mode == "plain":
+                plain["sd"] = plain_round(plain["model"], plain["sd"], plain["data"], cfg, t, plain["device"])
+            else:
+                engines[mode].run_round(t)
+            sync()
+            if t >= args.warmup:
+                times[mode].append(time.perf_counter() - t0)
+    finals = {m: e.flat.state_dict_from(e.global_state) for m, e in engines.items()}
+    if plain is not None:
+        finals["plain"] = {k: v.cpu() for k, v in plain["sd"].items()}
+
+    def diff(a, b):
+        return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
+
+    def ratio(mode, ref):
+        if ref not in times:
+            return float("nan")
+        return statistics.median(a / b for a, b in zip(times[mode], times[ref]))
+
+    rows = []
+    for mode in order:
+        med = statistics.median(times[mode])
+        rows.append({"workload": name, "mode": mode, "repeat": 0, "rounds_per_s": 1.0 / med, "round_ms": 1e3 * med,
+                     "time_vs_plain": ratio(mode, "plain"), "speed_vs_seq": 1.0 / ratio(mode, "seq"),
+                     "max_diff_vs_plain": diff(finals[mode], finals["plain"]) if "plain" in finals else float("nan"),
+                     "max_diff_vs_seq": diff(finals[mode], finals["seq"]) if "seq" in finals else float("nan"),
+                     "round_ms_each": [round(1e3 * x, 2) for x in times[mode]]})
+    return rows
+
+
 def weights_diff(a_dir, b_dir):
     """Largest absolute difference over the floating-point entries both final models hold."""
     a = torch.load(os.path.join(a_dir, "final_model.pt"), map_location="cpu")
@@ -305,13 +378,15 @@ def main():
     ap.add_argument("--json", default="", help="also write every row here")
     ap.add_argument("--no-nvml", dest="nvml", action="store_false", help="no utilisation sampling")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--in-process", action="store_true",
+                    help="plain, seq and batched in this one process, interleaved round by round (no NVML)")
     args = ap.parse_args()
     unknown = [n for n in args.only.split(",") if n and n not in WORKLOADS]
     if unknown:
         ap.error(f"unknown workload(s) {unknown}: choose from {', '.join(WORKLOADS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA GPU (or --device cpu)")
-    if args.device == "cpu":
+    if args.device == "cpu" or args.in_process:
         args.nvml = False
     names = [n for n in WORKLOADS if not args.only or n in args.only.split(",")]
     modes = args.modes
@@ -319,8 +394,17 @@ def main():
           f"{args.rounds} rounds, median round time after {args.warmup} warm-up rounds, {args.repeats} repeat(s), "
           f"threads {args.threads or 'the launcher default'}", flush=True)
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.in_process:
+        bad = [m for m in modes if m not in ("plain", "seq", "batched")]
+        if bad:
+            ap.error(f"--in-process runs plain, seq and batched only, not {bad}")
+        print("in one process, the modes interleaved round by round (run_round and the plain round timed)", flush=True)
         for name in names:
+            for r in in_process(name, [m for m in modes if m in WORKLOADS[name].get("modes", MODES)], args):
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names if not args.in_process else []:
             for repeat in range(args.repeats):
                 ref = {}
                 todo = [m for m in MODES if m in modes and m in WORKLOADS[name].get("modes", MODES)]
@@ -353,11 +437,14 @@ def main():
                 print(f"| {name} | {mode} | error: {rows[0]['error']} | | | | | | | | |")
                 continue
             med = lambda key: statistics.median(r.get(key, float("nan")) for r in ok)  # noqa: E731
-            speed = 1.0 / median_ratio(results, name, mode, "seq")
+            if args.in_process:
+                vs_plain, speed = ok[0]["time_vs_plain"], ok[0]["speed_vs_seq"]
+            else:
+                vs_plain, speed = median_ratio(results, name, mode, "plain"), 1.0 / median_ratio(results, name, mode, "seq")
             print(f"| {name} | {mode} | {med('rounds_per_s'):.2f} | {med('round_ms'):.1f} | "
-                  f"{median_ratio(results, name, mode, 'plain'):.3f} | {speed:.2f} | {med('gpu_util'):.0f} | "
+                  f"{vs_plain:.3f} | {speed:.2f} | {med('gpu_util'):.0f} | "
                   f"{med('gpu_mem_gib'):.2f} | {max(r['max_diff_vs_plain'] for r in ok):.1e} | "
-                  f"{max(r['max_diff_vs_seq'] for r in ok):.1e} | {ok[-1]['test_accuracy']:.3f} |")
+                  f"{max(r['max_diff_vs_seq'] for r in ok):.1e} | {ok[-1].get('test_accuracy', float('nan')):.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "out"} for r in results], f, indent=1)

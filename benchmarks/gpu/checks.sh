@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of issues 12 and 14, run on a lent device machine from the repository root:
-#   bash benchmarks/gpu/checks.sh [tests] [standard] [kernels] [ops] [bench]      (logs under $OUT, default /tmp/fedhpc-gpu)
+#   bash benchmarks/gpu/checks.sh [tests] [standard] [kernels] [ops] [bench] [plain]   (logs under $OUT, default /tmp/fedhpc-gpu)
+#   bash benchmarks/gpu/checks.sh all      # = tests standard ops plain bench: everything the GPU side needs, in one command
 # tests: environment, the CUDA extension's JIT build, then on the GPU (the tests' device "auto"
 #        picks it): tests/test_ops.py, tests/test_batched.py, tests/test_distributed.py (under the
 #        machine's Open MPI), tests/test_engine.py, and the GPU-only tests elsewhere (the
@@ -8,7 +9,11 @@
 # standard: tests/test_algorithm_standard.py on the GPU (8 workers): every registered algorithm
 #        on CUDA against its CPU round, and the standard set (resume, 1 vs 2 ranks sharing the GPU)
 # ops:   benchmarks/bench_ops.py and bench_reproducible_sum.py --device cuda
-# bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; sequential, batched, ranks sharing)
+# plain: issue 41's table: benchmarks/bench_gpu.py --modes plain,seq,batched on cnn, cnn50, lenet5 (the
+#        hand-written loop beside fedhpc sequential and batched, ratios of one run, |w - w_plain|);
+#        PLAIN_REPEATS (default 2) alternations, PLAIN_ROUNDS (default 15) rounds each; then the same
+#        three modes --in-process (rounds interleaved in one process)
+# bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; plain, sequential, batched, ranks sharing)
 # The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
 set -u
 OUT=${OUT:-/tmp/fedhpc-gpu}; mkdir -p "$OUT"
@@ -25,7 +30,9 @@ export OMPI_MCA_hwloc_base_binding_policy=${OMPI_MCA_hwloc_base_binding_policy:-
 export FEDHPC_TEST_NO_CUDA_EMULATION=1
 PY=${PY:-python3}
 step() { echo "== $1 ($(date +%T))"; }
-for stage in "${@:-tests}"; do
+stages=("${@:-tests}")
+[ "${stages[*]}" = all ] && stages=(tests standard ops plain bench)
+for stage in "${stages[@]}"; do
 case $stage in
 tests)
   step env
@@ -34,8 +41,8 @@ tests)
     nproc; } 2>&1 | tee "$OUT/env.txt"
   step "extension build + backends"
   ( time timeout 300 $PY -m fedhpc.ops ) 2>&1 | tee "$OUT/ops_backend.txt"
-  for t in ${TEST_FILES:-test_ops test_batched test_distributed test_engine}; do
-    sel=(); [ $t = test_distributed ] || [ $t = test_batched ] && sel=(-n 4)  # their mpiexec launches in parallel
+  for t in ${TEST_FILES:-test_ops test_batched test_batched_more test_distributed test_engine}; do
+    sel=(); case $t in test_distributed|test_batched|test_batched_more) sel=(-n 4);; esac  # their mpiexec launches in parallel
     step "$t ${sel[*]}"
     timeout 240 $PY -m pytest -q -p no:cacheprovider "tests/$t.py" "${sel[@]}" 2>&1 | tee "$OUT/$t.txt" | tail -12
   done
@@ -60,9 +67,21 @@ ops)
   timeout 120 $PY benchmarks/bench_reproducible_sum.py --device cuda --sizes 1000000 11000000 --repeats 5 2>&1 \
     | tee "$OUT/bench_reproducible_sum_cuda.txt"
   ;;
+plain)
+  step "bench_gpu plain,seq,batched (issue 41)"
+  timeout 480 $PY benchmarks/bench_gpu.py --only cnn,cnn50,lenet5 --modes plain,seq,batched --rounds "${PLAIN_ROUNDS:-15}" \
+    --warmup 3 --repeats "${PLAIN_REPEATS:-2}" --json "$OUT/bench_gpu_plain.json" 2>&1 | tee "$OUT/bench_gpu_plain.txt"
+  step "bench_gpu --in-process plain,seq,batched (the same ratios, rounds interleaved in one process)"
+  timeout 300 $PY benchmarks/bench_gpu.py --in-process --only cnn,cnn50,lenet5 --modes plain,seq,batched \
+    --rounds "${PLAIN_ROUNDS:-15}" --warmup 3 --json "$OUT/bench_gpu_plain_inprocess.json" 2>&1 \
+    | tee "$OUT/bench_gpu_plain_inprocess.txt"
+  ;;
 bench)
   step bench_gpu
   timeout 400 $PY benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
+  ;;
+*)
+  echo "unknown stage $stage: choose from tests standard kernels ops plain bench all" >&2; exit 2
   ;;
 esac
 done
