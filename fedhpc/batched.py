@@ -42,15 +42,33 @@ sequential ``loss`` stays the reference. A subclass that overrides ``loss``,
 ``local_update``, ``make_optimizer`` or ``mix_loss`` without declaring ``batchable`` itself is
 refused, so a method never inherits a batched path that no longer matches its loss.
 
-Dropout and BatchNorm are refused with a ConfigError naming the fix, not emulated: the
-sequential path draws dropout masks from the global generator seeded per client and
-BatchNorm updates running statistics per client, neither of which vmap reproduces
-bit-for-bit. Only classification tasks are batched (next-character prediction, with its
-per-position labels, recurrent models and embedding-space mixing, is refused).
+Dropout and BatchNorm, on the grouped kernels (every parametrised module a Linear, Conv2d or
+BatchNorm1d/2d/3d; the vmap path refuses them with a ConfigError naming the fix):
+
+* dropout (``nn.Dropout``, ``Dropout1d/2d/3d``): the sequential path draws client k's masks
+  from torch's default generator of the model's device, seeded for the client before its
+  download (``seed_torch(derive_seed(seed, "client", round, cid))``). Here each client's
+  generator state is taken just after its download and every dropout call draws client k's
+  mask with that state swapped in, by the same function on a tensor of ones of client k's real
+  rows (so the same shape, the same op and the same stream position as its sequential step),
+  then puts the advanced state back: masks bit for bit the sequential ones, on any device.
+  A client masked out of a step draws nothing; after the group trains, torch's generator is
+  left at each client's own state while its upload is taken, as the sequential loop leaves it;
+* BatchNorm: each client's batch statistics over its own real rows (padding excluded) and its
+  running statistics as rows of a stacked (K, C) buffer, updated as ``F.batch_norm`` updates
+  them (momentum, unbiased variance), and written back into the client's flat state. Equal to
+  the sequential path within float rounding (the statistics are reduced in another order).
+
+Either needs to know which rows of a forward's input are real: a hook's ``group.forward(x)`` on a
+(K, B, ...) batch of the step's B rows reads the step's counts; another row count must pass its
+own (``group.forward(x, real=[...])``), or a model with dropout or BatchNorm refuses the call.
+Only classification tasks are batched (next-character prediction, with its per-position labels,
+recurrent models and embedding-space mixing, is refused).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import dataclass
@@ -81,7 +99,8 @@ class ClientGroup:
     """The K clients of one batched step, as ``Algorithm.batched_loss`` sees them.
 
     ``forward(x)`` maps inputs (K, B, ...) to logits (K, B, C), row k through client k's
-    weights. ``params`` are name -> (K, *shape) views of the stacked flat states (the
+    weights (``forward(x, real=[n_1, ..., n_K])`` for a batch other than the step's, so that
+    dropout and BatchNorm know each client's real rows). ``params`` are name -> (K, *shape) views of the stacked flat states (the
     differentiable leaves, in ``flat.entries`` order). ``active[k]`` says whether client k
     takes this step (False: all its rows are padding; the hook must not draw from its random
     streams then). ``real[k]`` is how many of the B rows of client k are real samples.
@@ -158,13 +177,27 @@ def check_batchable(algo: "Algorithm", model: nn.Module, cfg) -> None:
             return f"use --model-opt {option}={value} (the model without {layer})"
         return f"use a model without {layer} (the run's model {algo.model_named} always has it; e.g. --model cnn)"
 
+    # dropout and BatchNorm are batched on the grouped kernels only (per-client masks and statistics)
+    ungrouped = next((n for n, m in model.named_modules() if any(p is not None for p in m._parameters.values())
+                      and type(m) not in GROUPED_MODULES + GROUPED_NORMS), None)
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            raise ConfigError(f"--clients-at-once > 1 cannot reproduce per-client dropout masks (module "
-                              f"{name!r}); {without('dropout', 'dropout', '0')} or {fix}")
+            if type(module) not in CLIENT_DROPOUTS:
+                raise ConfigError(f"--clients-at-once > 1 reproduces the masks of nn.Dropout and Dropout1d/2d/3d "
+                                  f"only, not {type(module).__name__} (module {name!r}); "
+                                  f"{without('dropout', 'dropout', '0')} or {fix}")
+            if ungrouped is not None:
+                raise ConfigError(f"--clients-at-once > 1 reproduces per-client dropout masks (module {name!r}) "
+                                  f"only in models whose layers with weights are all Linear, Conv2d or BatchNorm, "
+                                  f"and {ungrouped!r} is a {type(dict(model.named_modules())[ungrouped]).__name__}; "
+                                  f"{without('dropout', 'dropout', '0')} or {fix}")
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            raise ConfigError(f"--clients-at-once > 1 cannot keep per-client BatchNorm statistics (module "
-                              f"{name!r}); {without('BatchNorm', 'norm', 'none')} or {fix}")
+            if type(module) not in GROUPED_NORMS or ungrouped is not None:
+                what = (f"{type(module).__name__} is not one of BatchNorm1d/2d/3d" if type(module) not in GROUPED_NORMS
+                        else f"{ungrouped!r} is a {type(dict(model.named_modules())[ungrouped]).__name__}")
+                raise ConfigError(f"--clients-at-once > 1 keeps per-client BatchNorm statistics (module {name!r}) "
+                                  f"only in models whose layers with weights are all Linear, Conv2d or "
+                                  f"BatchNorm1d/2d/3d, and {what}; {without('BatchNorm', 'norm', 'none')} or {fix}")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:
         raise ConfigError(f"--clients-at-once > 1 trains every parameter; {frozen[:3]} are frozen; {fix}")
@@ -185,21 +218,78 @@ def stacked_params(flat, theta: torch.Tensor) -> Dict[str, torch.Tensor]:
             for e in flat.entries if e.is_param}
 
 
-def vmap_forward(model: nn.Module, params: Dict[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+def stacked_buffers(flat, buffers: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """name -> (K, *shape) views of ``buffers`` (K, numel - num_params), the float buffers'
+    columns of the stacked states (BatchNorm's running statistics), in ``flat.entries`` order.
+    Kept apart from ``theta``: updated in place during a forward, they must not share the
+    version counter of the parameter leaves autograd saved."""
+    k = buffers.shape[0]
+    return {e.name: buffers[:, e.offset - flat.num_params:e.offset - flat.num_params + e.numel].view((k,) + tuple(e.shape))
+            for e in flat.entries if not e.is_param}
+
+
+def vmap_forward(model: nn.Module, params: Dict[str, torch.Tensor],
+                 buffers: Optional[Dict[str, torch.Tensor]] = None) -> Callable[..., torch.Tensor]:
     """(K, B, ...) -> (K, B, C): ``torch.func.vmap`` of ``functional_call`` over the K clients.
-    Works for any model whose forward vmap supports; the reference for the grouped kernels."""
+    Works for any model whose forward vmap supports; the reference for the grouped kernels.
+    ``buffers``: (K, ...) stacked float buffers (read only: the model's dropout and BatchNorm are
+    in eval mode whenever this path runs them, see :func:`stacked_forward`); without them every
+    client reads the model's own."""
     from torch.func import functional_call, vmap
 
-    # Float buffers live in the flat state too, but nothing batchable updates them (BatchNorm
-    # is refused): every client reads the model's own.
-    buffers = dict(model.named_buffers())
-    batched = vmap(lambda p, x: functional_call(model, (p, buffers), (x,)))
-    return lambda x: batched(params, x)
+    own = dict(model.named_buffers())
+    if buffers is None:
+        batched = vmap(lambda p, x: functional_call(model, (p, own), (x,)))
+        return lambda x, real=None: batched(params, x)
+    fixed = {n: b for n, b in own.items() if n not in buffers}  # integer buffers (num_batches_tracked)
+    batched = vmap(lambda p, b, x: functional_call(model, (p, {**fixed, **b}), (x,)))
+    return lambda x, real=None: batched(params, buffers, x)
 
 
 #: modules the grouped kernels compute K clients of at once (exact types: a subclass may
 #: use its weight elsewhere in its forward)
 GROUPED_MODULES = (nn.Linear, nn.Conv2d)
+#: normalisation layers the grouped kernels compute per client (statistics over each client's rows)
+GROUPED_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: dropout layers whose masks are drawn per client from each client's own generator state
+CLIENT_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+_DROPOUT_FUNCTIONS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d)
+
+
+def stochastic_layers(model: nn.Module) -> bool:
+    """Whether the model has a layer whose training forward depends on more than each sample on
+    its own: active dropout (random masks) or BatchNorm (batch statistics)."""
+    return any((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) or isinstance(m, nn.modules.batchnorm._BatchNorm)
+               for m in model.modules())
+
+
+def device_generator(device: torch.device) -> torch.Generator:
+    """torch's default generator of ``device``: the one :func:`fedhpc.seeding.seed_torch` seeds per
+    client and the sequential path's dropout draws from."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    return torch.default_generator
+
+
+class StepRows:
+    """What dropout and BatchNorm need to know of the current batched step: each client's real rows
+    (``real``, of ``batch`` rows per client; None outside a step) and each client's generator state
+    (``rng``, advanced in place as its masks are drawn; None when the model draws nothing)."""
+
+    def __init__(self, rng: Optional[List[torch.Tensor]] = None):
+        self.rng = rng
+        self.real: Optional[List[int]] = None
+        self.batch = 0
+        self._rows: Optional[torch.Tensor] = None
+
+    def set(self, real: List[int], batch: int) -> None:
+        self.real, self.batch, self._rows = real, batch, None
+
+    def rows(self, device) -> torch.Tensor:
+        """``real`` as a (K,) tensor on ``device`` (made once per step)."""
+        if self._rows is None or self._rows.device != device:
+            self._rows = torch.tensor(self.real, dtype=torch.long).to(device)
+        return self._rows
 
 
 def _grouped_linear(x, weight, bias=None):
@@ -222,9 +312,81 @@ def _grouped_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, group
     return out.reshape((b, k, o) + tuple(out.shape[2:])).transpose(0, 1).reshape((k * b, o) + tuple(out.shape[2:]))
 
 
+def _client_dropout(func, args, kwargs, k: int, step: "StepRows"):
+    """A dropout call on K clients' folded rows (K*B, ...): client k's mask drawn by ``func`` itself on
+    ones of client k's real rows, from client k's generator state (then advanced), as its sequential
+    step draws it; padded rows get mask 0. ``input * mask`` is then the sequential ``input * noise``."""
+    x = args[0] if args else kwargs["input"]
+    rest = args[1:]
+    if step is None or step.real is None or step.rng is None:
+        raise RuntimeError("a dropout layer ran in a batched forward without the step's rows and client "
+                           "generators (fedhpc.batched.StepRows)")
+    b = x.shape[0] // k
+    mask = torch.zeros((k, b) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    gen = device_generator(x.device)
+    saved = gen.get_state()
+    try:
+        for i, n in enumerate(step.real):
+            if n == 0:
+                continue  # a client masked out of the step draws nothing, as it takes no step
+            gen.set_state(step.rng[i])
+            ones = torch.ones((n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            mask[i, :n] = func(ones, *rest, **{key: v for key, v in kwargs.items() if key != "input"})
+            step.rng[i] = gen.get_state()
+    finally:
+        gen.set_state(saved)
+    return x * mask.view_as(x)
+
+
+def _grouped_batch_norm(x, k: int, step: Optional["StepRows"], running_mean, running_var, weight, bias,
+                        training: bool, momentum: float, eps: float):
+    """F.batch_norm of K clients' folded rows (K*B, C, *S), client k's statistics over its own real
+    rows (training) or its own running statistics (K, C) (eval); training updates the running rows
+    of the clients that take the step, as F.batch_norm updates a client's (unbiased variance)."""
+    b = x.shape[0] // k
+    xs = x.reshape((k, b) + tuple(x.shape[1:]))
+    c, spatial = x.shape[1], xs.dim() - 3
+    per_channel = (k, 1, c) + (1,) * spatial
+    if training:
+        if step is not None and step.real is not None and step.batch == b:
+            rows = step.rows(x.device)
+        else:
+            rows = torch.full((k,), b, dtype=torch.long, device=x.device)
+        real = (torch.arange(b, device=x.device) < rows[:, None]).to(x.dtype).view((k, b, 1) + (1,) * spatial)
+        dims = (1,) + tuple(range(3, 3 + spatial))
+        count = (rows * math.prod(x.shape[2:])).to(x.dtype)
+        denom = count.clamp_min(1).view(k, 1)
+        mean = (xs * real).sum(dims) / denom
+        centered = xs - mean.view(per_channel)
+        var = (centered * centered * real).sum(dims) / denom
+        # padded rows leave as 0: normalised by statistics they took no part in, they would grow
+        # layer after layer (inf, then NaN gradients through the client's weights)
+        out = torch.where(real > 0, centered * torch.rsqrt(var + eps).view(per_channel), 0.0)
+        if running_mean is not None:
+            with torch.no_grad():
+                takes = (rows > 0).view(k, 1)
+                unbiased = var * (count / (count - 1).clamp_min(1)).view(k, 1)
+                running_mean.copy_(torch.where(takes, running_mean * (1 - momentum) + mean.detach() * momentum,
+                                               running_mean))
+                running_var.copy_(torch.where(takes, running_var * (1 - momentum) + unbiased.detach() * momentum,
+                                              running_var))
+    else:
+        out = (xs - running_mean.view(per_channel)) * torch.rsqrt(running_var.view(per_channel) + eps)
+    if weight is not None:
+        out = out * weight.view(per_channel)
+    if bias is not None:
+        out = out + bias.view(per_channel)
+    return out.reshape(x.shape)
+
+
 class _GroupedKernels(torch.overrides.TorchFunctionMode):
-    """Routes F.linear / F.conv2d calls whose weight carries a leading client dimension to the
-    grouped kernels; every other op sees the folded batch (K*B, ...) as one batch."""
+    """Routes F.linear / F.conv2d / F.batch_norm calls whose weights (or statistics) carry a leading
+    client dimension to the grouped kernels, and dropout calls in training to per-client masks;
+    every other op sees the folded batch (K*B, ...) as one batch."""
+
+    def __init__(self, k: int = 0, step: Optional[StepRows] = None):
+        super().__init__()
+        self.k, self.step = k, step
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -236,37 +398,67 @@ class _GroupedKernels(torch.overrides.TorchFunctionMode):
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             if weight.dim() == 5:
                 return _grouped_conv2d(*args, **kwargs)
+        elif func is F.batch_norm:
+            names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+            a = dict(zip(names, (None, None, None, None, None, False, 0.1, 1e-5)))
+            a.update(zip(names, args))
+            a.update(kwargs)
+            if any(t is not None and t.dim() == 2 for t in (a["running_mean"], a["weight"])):
+                return _grouped_batch_norm(a["input"], self.k, self.step, a["running_mean"], a["running_var"],
+                                           a["weight"], a["bias"], a["training"], a["momentum"], a["eps"])
+        elif func in _DROPOUT_FUNCTIONS and self.k:
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            if training and p > 0:
+                return _client_dropout(func, args, kwargs, self.k, self.step)
         return func(*args, **kwargs)
 
 
-def grouped_forward(model: nn.Module, params: Dict[str, torch.Tensor]
-                    ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+def grouped_forward(model: nn.Module, params: Dict[str, torch.Tensor],
+                    buffers: Optional[Dict[str, torch.Tensor]] = None, step: Optional[StepRows] = None
+                    ) -> Optional[Callable[..., torch.Tensor]]:
     """(K, B, ...) -> (K, B, C) with grouped kernels (bmm, grouped convolution): the model's own
-    forward on the folded batch (K*B, ...), its Linear / Conv2d weights swapped for the (K, ...)
-    stacks. None when a module holding parameters is not one of GROUPED_MODULES. The folding is
-    only right for a forward that treats samples independently: :func:`train_group` checks it
-    once per model against :func:`vmap_forward`."""
+    forward on the folded batch (K*B, ...), its Linear / Conv2d / BatchNorm weights swapped for the
+    (K, ...) stacks and BatchNorm's running statistics for the rows of ``buffers``. None when a
+    module holding parameters is not one of GROUPED_MODULES / GROUPED_NORMS. The folding is only
+    right for a forward that treats samples independently (BatchNorm and dropout apart, which the
+    kernels compute per client): :func:`stacked_forward` checks it once per model against
+    :func:`vmap_forward`. ``step``: the step's real rows and client generators (dropout, BatchNorm)."""
     slots = []
     for mod_name, module in model.named_modules():
-        own = list(module._parameters)
+        own = [n for n, p in module._parameters.items() if p is not None]  # (a Conv2d without bias holds None)
         if not own:
             continue
-        if type(module) not in GROUPED_MODULES:
+        if type(module) not in GROUPED_MODULES + GROUPED_NORMS:
             return None
         for pname in own:
-            slots.append((module, pname, params[f"{mod_name}.{pname}" if mod_name else pname]))
+            slots.append((module._parameters, pname, params[f"{mod_name}.{pname}" if mod_name else pname]))
+    for mod_name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and buffers is not None:
+            for bname in ("running_mean", "running_var"):
+                if module._buffers.get(bname) is not None:
+                    slots.append((module._buffers, bname, buffers[f"{mod_name}.{bname}" if mod_name else bname]))
+    stochastic = [m for m in model.modules() if isinstance(m, (nn.modules.dropout._DropoutNd,
+                                                               nn.modules.batchnorm._BatchNorm))]
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, real: Optional[List[int]] = None) -> torch.Tensor:
         k, b = x.shape[0], x.shape[1]
-        saved = [(m, n, m._parameters[n]) for m, n, _ in slots]
+        rows = step
+        if real is not None:  # this call's own rows (the step's stay as they are for its other calls)
+            rows = StepRows(step.rng if step is not None else None)
+            rows.set([int(n) for n in real], b)
+        elif step is not None and any(m.training for m in stochastic) and (step.real is None or step.batch != b):
+            raise RuntimeError(f"a batched forward of {b} rows per client through a model with dropout or "
+                               f"BatchNorm needs each client's real rows: call group.forward(x, real=[...])")
+        saved = [(slot, n, slot[n]) for slot, n, _ in slots]
         try:
-            for m, n, stacked in slots:
-                m._parameters[n] = stacked  # a plain tensor in the slot: nn.Module reads it as is
-            with _GroupedKernels():
+            for slot, n, stacked in slots:
+                slot[n] = stacked  # a plain tensor in the slot: nn.Module reads it as is
+            with _GroupedKernels(k, rows):
                 out = model(x.reshape((k * b,) + tuple(x.shape[2:])))
         finally:
-            for m, n, original in saved:
-                m._parameters[n] = original
+            for slot, n, original in saved:
+                slot[n] = original
         return out.reshape((k, b) + tuple(out.shape[1:]))
 
     return forward
@@ -276,24 +468,55 @@ def grouped_forward(model: nn.Module, params: Dict[str, torch.Tensor]
 _GROUPED_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
-def stacked_forward(model: nn.Module, params: Dict[str, torch.Tensor], probe: torch.Tensor
-                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+class _StochasticLayersInEval:
+    """Dropout and BatchNorm in eval mode for the grouped-vs-vmap check: no mask drawn from any
+    generator, no statistic updated, and what is compared is whether the rest of the forward
+    treats samples independently."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = [m for m in model.modules() if isinstance(m, (nn.modules.dropout._DropoutNd,
+                                                                     nn.modules.batchnorm._BatchNorm))]
+
+    def __enter__(self):
+        self.was = [m.training for m in self.modules]
+        for m in self.modules:
+            m.training = False
+
+    def __exit__(self, *exc):
+        for m, was in zip(self.modules, self.was):
+            m.training = was
+
+
+def stacked_forward(model: nn.Module, params: Dict[str, torch.Tensor], probe: torch.Tensor,
+                    buffers: Optional[Dict[str, torch.Tensor]] = None, step: Optional[StepRows] = None
+                    ) -> Callable[..., torch.Tensor]:
     """The fastest exact forward for K clients: the grouped kernels when the model is built of
-    GROUPED_MODULES and they agree with vmap on ``probe`` (K, B, ...) (a forward that mixes
-    samples, e.g. a batch statistic, would not), else vmap."""
-    grouped = grouped_forward(model, params)
+    GROUPED_MODULES (and GROUPED_NORMS) and they agree with vmap on ``probe`` (K, B, ...) (a
+    forward that mixes samples other than by BatchNorm would not), else vmap, which a model with
+    dropout or BatchNorm cannot take (ConfigError)."""
+    grouped = grouped_forward(model, params, buffers, step)
+    stochastic = stochastic_layers(model)
     if grouped is None:
+        if stochastic:
+            raise ConfigError("--clients-at-once > 1: a model with dropout or BatchNorm needs the grouped kernels "
+                              "(layers with weights all Linear, Conv2d or BatchNorm); run with --clients-at-once 1")
         return vmap_forward(model, params)
     if probe.shape[0] < 2:
         return grouped  # one client: the folded batch is its own batch, nothing to tell apart
     ok = _GROUPED_CHECKED.get(model)
     if ok is None:
-        with torch.no_grad():
-            want = vmap_forward(model, params)(probe)
+        with torch.no_grad(), _StochasticLayersInEval(model):
+            want = vmap_forward(model, params, buffers)(probe)
             got = grouped(probe)
         ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
         _GROUPED_CHECKED[model] = ok  # only a verdict over >= 2 clients is kept
-    return grouped if ok else vmap_forward(model, params)
+    if ok:
+        return grouped
+    if stochastic:
+        raise ConfigError("--clients-at-once > 1: this model's forward mixes the samples of a batch beyond "
+                          "BatchNorm, so its clients cannot be folded into one batch, and with dropout or "
+                          "BatchNorm the vmap path cannot take it; run with --clients-at-once 1")
+    return vmap_forward(model, params)
 
 
 class StackedSGD:
@@ -388,13 +611,35 @@ def epoch_batches(ctxs: List[ClientContext], epoch: int, batch_size: int) -> Opt
 
 # --------------------------------------------------------------------------- training a group
 
+def client_rng_states(cfg, ctxs: List[ClientContext], device: torch.device) -> List[torch.Tensor]:
+    """Each client's generator state as its sequential training starts: torch's generator of
+    ``device`` seeded as the sequential loop seeds it for the client (for a download that draws
+    nothing; :func:`train_in_groups` takes the states after the real downloads instead)."""
+    gen, states = device_generator(device), []
+    saved = gen.get_state()
+    for ctx in ctxs:
+        seed_torch(derive_seed(cfg.seed, "client", ctx.round.index, ctx.cid), device)
+        states.append(gen.get_state())
+    gen.set_state(saved)
+    return states
+
+
 def train_group(algo: "Algorithm", model: nn.Module, flat, ctxs: List[ClientContext],
-                starts: torch.Tensor) -> torch.Tensor:
+                starts: torch.Tensor, rng_states: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
     """Train the clients of ``ctxs`` from the flat states ``starts`` (K, P); returns the trained
-    states (K, P) and adds each client's training loss to its ``ctx`` (as ``ctx.record`` does)."""
+    states (K, P) and adds each client's training loss to its ``ctx`` (as ``ctx.record`` does).
+    ``rng_states``: each client's generator state (of the model's device) as its training starts,
+    for dropout masks, advanced in place as they are drawn (default :func:`client_rng_states`)."""
     cfg = algo.cfg
     theta = starts.detach().clone()
     params = stacked_params(flat, theta)
+    # float buffers (BatchNorm's running statistics) apart from theta: see stacked_buffers
+    buffer_rows = theta[:, flat.num_params:].clone()
+    buffers = stacked_buffers(flat, buffer_rows)
+    draws = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    if draws and rng_states is None:
+        rng_states = client_rng_states(cfg, ctxs, theta.device)
+    step = StepRows(rng_states if draws else None)
     forward = None
     leaves = list(params.values())
     # the leaves' gradients, written into one (K, P) tensor for the whole-state optimizer step
@@ -410,9 +655,10 @@ def train_group(algo: "Algorithm", model: nn.Module, flat, ctxs: List[ClientCont
         if eb is None:
             continue
         if forward is None:
-            forward = stacked_forward(model, params, eb.x[:, 0])
+            forward = stacked_forward(model, params, eb.x[:, 0], buffers, step)
         for s in range(eb.steps):
             real = [eb.real[i][s] for i in range(k)]
+            step.set(real, cfg.batch_size)
             active_list = [n > 0 for n in real]
             all_active = all(active_list)
             group = ClientGroup(forward, params, ctxs, active_list, real, flat)
@@ -431,7 +677,10 @@ def train_group(algo: "Algorithm", model: nn.Module, flat, ctxs: List[ClientCont
             ctx.samples += sum(eb.real[i])
     for i, ctx in enumerate(ctxs):
         ctx.loss_sum.add_(loss_sums[i])
-    return theta.detach()
+    step.set(None, 0)
+    theta = theta.detach()
+    theta[:, flat.num_params:] = buffer_rows
+    return theta
 
 
 def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], clients_at_once: int
@@ -449,7 +698,9 @@ def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], client
     for first in range(0, len(clients), clients_at_once):
         group_ids = clients[first:first + clients_at_once]
         g0 = time.perf_counter()
-        ctxs, starts, downloads = [], [], []
+        ctxs, starts, downloads, rng = [], [], [], []
+        gen = device_generator(engine.world.device)
+        draws = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in engine.model.modules())
         for cid in group_ids:
             client = engine.data.client(cid).training_on(engine.world.device)
             # the per-client seed as in the sequential loop: a download drawing from torch's
@@ -462,9 +713,13 @@ def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], client
             downloads.append(algo.ledger.values - before)
             starts.append(flat.flat.detach().clone())
             ctxs.append(ctx)
-        trained = train_group(algo, engine.model, flat, ctxs, torch.stack(starts))
+            if draws:  # where the client's training starts drawing dropout masks, as in the sequential loop
+                rng.append(gen.get_state())
+        trained = train_group(algo, engine.model, flat, ctxs, torch.stack(starts), rng if draws else None)
         share = (time.perf_counter() - g0) / len(group_ids)
         for i, (cid, ctx) in enumerate(zip(group_ids, ctxs)):
             flat.load_(trained[i])
+            if draws:  # torch's generator where the client's sequential training leaves it, for its upload
+                gen.set_state(rng[i])
             traffic_before = (algo.ledger.values - downloads[i]) if engine.channel_active else None
             yield cid, ctx, traffic_before, time.perf_counter() - share

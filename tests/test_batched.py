@@ -300,9 +300,23 @@ def test_batched_fedmix_loss_equals_fedmix_loss_per_client():
 
 # ----------------------------------------------------------------------------- who is refused
 
+def _with_layer_norm(model, *layers):
+    """The run's model followed by a LayerNorm (a layer the grouped kernels do not compute) and ``layers``."""
+    return torch.nn.Sequential(model, torch.nn.LayerNorm(10), *layers)
+
+
+@pytest.mark.parametrize("wrap,match", [
+    (lambda m: _with_layer_norm(m, torch.nn.Dropout(0.3)), "dropout masks .* only in models whose layers"),
+    (lambda m: _with_layer_norm(m, torch.nn.BatchNorm1d(10)), "BatchNorm statistics .* only in models"),
+    (lambda m: torch.nn.Sequential(m, torch.nn.AlphaDropout(0.3)), "not AlphaDropout"),
+])
+def test_dropout_and_batchnorm_outside_the_grouped_kernels_are_refused(wrap, match):
+    eng = make_engine()
+    with pytest.raises(ConfigError, match=match):
+        check_batchable(eng.algo, wrap(eng.model), eng.cfg)
+
+
 @pytest.mark.parametrize("kw,algo,match", [
-    (dict(model="cnn", model_options={"width": 4, "hidden": 16, "dropout": 0.3}), "fedavg", "dropout"),
-    (dict(model="cnn", model_options={"width": 4, "hidden": 16, "norm": "batch"}), "fedavg", "BatchNorm"),
     (dict(optimizer="adam", momentum=0.0), "fedavg", "sgd only"),
     ({}, "globalmix", "not declared batchable"),
     ({}, "ditto", "not declared batchable"),
@@ -315,17 +329,19 @@ def test_refused_with_a_config_error(kw, algo, match):
 
 
 def test_the_advice_names_a_model_option_only_where_the_model_has_it():
-    """norm=none removes BatchNorm from resnet_digits, but mobilenet has no such option: advising
-    it there would be refused next ('has no option norm'). Following the advice builds."""
+    """A BatchNorm the grouped kernels cannot take (here: beside a LayerNorm): norm=none removes it
+    from resnet_digits, but mobilenet has no such option, and advising it there would be refused next
+    ('has no option norm'). Following the advice builds."""
     eng = make_engine("fedavg", None, model="resnet_digits", model_options={"width": 4})
     with pytest.raises(ConfigError, match=r"use --model-opt norm=none \(the model without BatchNorm\)"):
-        check_batchable(eng.algo, eng.model, eng.cfg)
+        check_batchable(eng.algo, _with_layer_norm(eng.model), eng.cfg)
     eng = make_engine("fedavg", None, model="resnet_digits", model_options={"width": 4, "norm": "none"})
-    check_batchable(eng.algo, eng.model, eng.cfg)
+    check_batchable(eng.algo, _with_layer_norm(eng.model), eng.cfg)
     eng = make_engine("fedavg", None, model="mobilenet", model_options={"width_multiplier": 0.25}, batch_size=18)
     with pytest.raises(ConfigError, match=r"use a model without BatchNorm \(the run's model 'mobilenet' always has "
                                           r"it; e.g. --model cnn\)"):
-        check_batchable(eng.algo, eng.model, eng.cfg)
+        check_batchable(eng.algo, _with_layer_norm(eng.model), eng.cfg)
+    check_batchable(eng.algo, eng.model, eng.cfg)  # its own layers are all grouped: batched as it is
 
 
 def test_next_character_prediction_is_refused():
@@ -348,6 +364,7 @@ def test_a_subclass_changing_the_loss_is_not_batched_by_inheritance():
 
 
 def test_cnn_without_dropout_or_batchnorm_is_batched_exactly():
+    """(Dropout and BatchNorm: tests/test_batched_more.py.)"""
     kw = dict(model="cnn", model_options={"width": 4, "hidden": 16})
     start = make_engine("fedavg", **kw).global_state.clone()
     seq = sequential_clients(make_engine("fedavg", **kw), 0)
@@ -398,10 +415,9 @@ def test_engine_with_a_channel_books_each_clients_own_payload():
 
 
 @needs_engine_dispatch
-def test_engine_refuses_a_model_it_cannot_batch_before_training():
-    with pytest.raises(ConfigError, match="dropout"):
-        make_engine("fedavg", None, clients_at_once=4, model="cnn",
-                    model_options={"width": 4, "hidden": 16, "dropout": 0.3})
+def test_engine_refuses_a_run_it_cannot_batch_before_training():
+    with pytest.raises(ConfigError, match="sgd only"):
+        make_engine("fedavg", None, clients_at_once=4, optimizer="adam", momentum=0.0)
 
 
 # ----------------------------------------------------------------------------- grouped kernels vs vmap

@@ -1,0 +1,170 @@
+"""Batched clients (fedhpc.batched) with dropout and BatchNorm, and the methods that opted in after the
+first five: every client's weights, running statistics and training loss within float rounding of the
+sequential path (clients of unequal sizes, 2 epochs, momentum + weight decay), the same model on 1 and
+2 ranks.
+
+Dropout masks are each client's own draws (its generator state after its download, advanced by its
+own steps only), so the tolerance is the one of the models without dropout: a wrong mask would move
+a weight by ~lr, not by 1e-7. The models are the well-conditioned ones (the digits CNN, a narrow
+ResNet): BatchNorm over a few 1x1 feature maps (MobileNet on 8x8 digits) is ill-conditioned, and
+native and batched float32 statistics both sit 1e-4 to 1e-3 from a float64 forward there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fedhpc.algorithms.base import derive_seed, seed_torch
+from fedhpc.batched import check_batchable, device_generator, train_in_groups
+from fedhpc.round import ClientContext
+from test_batched import (ALGO_OPTIONS, BASE, TOL, assert_same_clients, batched_clients, make_engine,
+                          round_info, sequential_clients, steps_per_epoch)
+
+CNN = {"width": 4, "hidden": 16}
+DROPOUT = dict(model="cnn", model_options={**CNN, "dropout": 0.3})
+BATCHNORM = dict(model="cnn", model_options={**CNN, "norm": "batch"})
+BOTH = dict(model="cnn", model_options={**CNN, "norm": "batch", "dropout": 0.3})
+
+
+def same_as_sequential(algo, options, k=4, **kw):
+    start = make_engine(algo, options, **kw).global_state.clone()
+    seq = sequential_clients(make_engine(algo, options, **kw), 0)
+    bat = batched_clients(make_engine(algo, options, **kw), 0, k)
+    assert_same_clients(seq, bat, start)
+    return seq, bat
+
+
+def test_the_workload_has_unequal_clients():
+    """What the equality tests below rely on (as in test_batched.py): steps differ, last batches are short."""
+    eng = make_engine(**BOTH)
+    sampled = round_info(eng, 0).my_clients
+    assert len(set(steps_per_epoch(eng, sampled))) > 1
+    assert any(int(eng.data.client(c).num_train) % BASE["batch_size"] for c in sampled)
+
+
+@pytest.mark.parametrize("model", ["dropout", "batchnorm"])
+def test_fedavg_with_dropout_or_batchnorm_equals_sequential(model):
+    same_as_sequential("fedavg", {}, **{"dropout": DROPOUT, "batchnorm": BATCHNORM}[model])
+
+
+@pytest.mark.parametrize("algo", list(ALGO_OPTIONS))
+def test_the_first_five_with_dropout_and_batchnorm_equal_sequential(algo):
+    """FedAvg, FedProx, NaiveMix, FedMix (its double backward through both layers) and LocalMix."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FedMix's advice against BatchNorm (it can diverge over many rounds)
+        same_as_sequential(algo, ALGO_OPTIONS[algo], **BOTH)
+
+
+def test_batchnorm_running_statistics_are_each_clients_own():
+    """The running statistics (flat state past the parameters) moved, client by client, as in the
+    sequential path: a shared or unmasked statistic would differ by far more than rounding."""
+    seq, bat = same_as_sequential("fedavg", {}, **BATCHNORM)
+    eng = make_engine(**BATCHNORM)
+    p = eng.flat.num_params
+    assert eng.flat.numel > p
+    for cid in seq:
+        assert float((seq[cid][0][p:] - eng.global_state[p:]).abs().max()) > 1e-3  # they moved
+        assert float((seq[cid][0][p:] - bat[cid][0][p:]).abs().max()) <= TOL
+
+
+def test_group_sizes_grad_clip_and_nesterov_with_dropout_and_batchnorm():
+    for k in (1, 5, 10):
+        same_as_sequential("fedprox", {"mu": 0.1}, k=k, grad_clip=0.5, **BOTH)
+    same_as_sequential("fedavg", {}, nesterov=True, **BOTH)
+
+
+def test_residual_network_with_batchnorm_equals_sequential():
+    """resnet_digits: BatchNorm after every convolution, residual additions, a projection shortcut."""
+    same_as_sequential("fedavg", {}, model="resnet_digits", model_options={"width": 4}, lr=0.01, momentum=0.5)
+
+
+def test_channel_dropout_equals_sequential():
+    """pMixFed's MNIST CNN: Dropout2d (one mask per feature map) and Dropout, p = 0.5."""
+    same_as_sequential("fedavg", {}, model="pmixfed_cnn_mnist", model_options={"channels": [4, 8], "hidden": 16},
+                       dataset="synthetic", data_options={"shape": "1x28x28", "train_samples": 480,
+                                                          "test_samples": 50},
+                       lr=0.01, momentum=0.5)
+
+
+def test_generator_left_where_each_clients_sequential_training_leaves_it():
+    """After the group trains, torch's generator is at each client's own post-training state while
+    the client is handed back (its upload would draw what it draws sequentially)."""
+    eng = make_engine(**DROPOUT)
+    rnd = round_info(eng, 0)
+    gen = device_generator(eng.world.device)
+    want = {}
+    for cid in rnd.my_clients:
+        seed_torch(derive_seed(eng.cfg.seed, "client", 0, cid), eng.world.device)
+        eng.flat.load_(eng.global_state)
+        ctx = ClientContext(eng.algo, cid, eng.data.client(cid).training_on(eng.world.device), rnd)
+        eng.algo.download(ctx)
+        eng.algo.local_update(eng.model, ctx)
+        want[cid] = gen.get_state()
+    other = make_engine(**DROPOUT)
+    rnd = round_info(other, 0)
+    check_batchable(other.algo, other.model, other.cfg)
+    got = {cid: gen.get_state() for cid, _, _, _ in train_in_groups(other, rnd, rnd.my_clients, 4)}
+    assert list(got) == list(want)
+    for cid in want:
+        assert torch.equal(got[cid], want[cid]), cid
+    # and the draws were real: a client's state moved away from its seed
+    seed_torch(derive_seed(eng.cfg.seed, "client", 0, rnd.my_clients[0]), eng.world.device)
+    assert not torch.equal(gen.get_state(), want[rnd.my_clients[0]])
+
+
+def test_a_forward_of_other_rows_must_say_which_are_real():
+    """A hook calling group.forward on a batch of another row count (a mean sample per client, say)
+    through a model with dropout must pass each client's real rows; with them it runs."""
+    from fedhpc.batched import ClientGroup
+    from fedhpc.algorithms.fedavg import FedAvg
+
+    eng = make_engine(**DROPOUT)
+    calls = []
+
+    class TwoForwards(FedAvg):
+        batchable = True
+
+        def batched_loss(self, group: ClientGroup, x, y, weight):
+            if not calls:
+                with pytest.raises(RuntimeError, match="real rows"):
+                    group.forward(x[:, :1])
+            calls.append(group.forward(x[:, :1], real=[1 if a else 0 for a in group.active]))
+            return super().batched_loss(group, x, y, weight)
+
+    eng.algo.__class__ = TwoForwards
+    batched_clients(eng, 0, 4)
+    assert calls
+
+
+def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path):
+    """--clients-at-once 3 on 1 and 2 ranks, bit for bit (groups are cut before ranks are chosen;
+    each client's masks come from its own generator), and within rounding of the sequential run:
+    the digits CNN with BatchNorm and dropout, clients of unequal sizes, 2 epochs, 2 rounds."""
+    import json
+
+    from conftest import launch
+
+    args = ["--algo", "fedprox", "--mu", "0.1", "--model", "cnn", "--model-opt", "width=4", "--model-opt", "norm=batch",
+            "--model-opt", "dropout=0.3", "--partition", "dirichlet:0.5", "--num-clients", "10",
+            "--clients-per-round", "8", "--batch-size", "16", "--local-epochs", "2", "--momentum", "0.9",
+            "--weight-decay", "0.001", "--rounds", "2", "--seed", "3", "--threads", "1", "--quiet", "--no-tensorboard"]
+    got = {}
+    for name, ranks, k in (("seq", 1, 1), ("r1", 1, 3), ("r2", 2, 3)):
+        out = str(tmp_path / name)
+        p = launch(args + ["--clients-at-once", str(k), "--out", out], ranks=ranks, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            losses = [(r["train_loss"], r["test_loss"]) for r in map(json.loads, f)]
+        got[name] = (torch.load(os.path.join(out, "final_model.pt")), losses)
+    (one, one_losses), (two, two_losses), (seq, seq_losses) = got["r1"], got["r2"], got["seq"]
+    unequal = {n: float((one[n].double() - two[n].double()).abs().max()) for n in one if not torch.equal(one[n], two[n])}
+    assert not unequal, unequal
+    assert one_losses == two_losses
+    diff = max(float((one[n].double() - seq[n].double()).abs().max()) for n in seq if seq[n].is_floating_point())
+    assert diff <= 3 * TOL, diff
+    assert all(abs(a[0] - b[0]) <= TOL for a, b in zip(one_losses, seq_losses))
