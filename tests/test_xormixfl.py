@@ -463,3 +463,97 @@ def test_a_device_that_cannot_encode_stops_every_rank_with_its_error(tmp_path):
     two = launch(args, ranks=2, timeout=100)  # well under the collective timeout
     assert two.returncode == 2, two.stderr
     assert "device 3 holds 0 usable non-target label(s)" in two.stderr and "raised on rank 1" in two.stderr
+
+
+# ----------------------------------------------------------------------------- what the server trains on
+
+def np_blend(rows, alpha):
+    """Eq. 1 on uint8 rows (m, ...) in numpy: b_1 = s_1, b_k = floor(alpha b_{k-1} + (1 - alpha) s_k)."""
+    out = rows[0].astype(np.float64)
+    for s in rows[1:]:
+        out = np.clip(np.floor(alpha * out + (1 - alpha) * s.astype(np.float64)), 0, 255)
+    return out.astype(np.uint8)
+
+
+def np_draw_blend(pixels, members, max_blend, alpha, g):
+    """The documented draw: min(M, |members|) members without replacement (torch.randperm of ``g``)."""
+    pick = members[torch.randperm(len(members), generator=g)[:max_blend].numpy()]
+    return np_blend(pixels[pick], alpha)
+
+
+def test_the_server_trains_on_the_xor_decoded_samples_labelled_with_their_target(monkeypatch):
+    """Alg. 2 through the engine: the rows the server trainer receives are its base set, then the
+    first deficit of each target label's samples, decoded (Eq. 3: e XOR the server's OWN blend of
+    the dummy labels, chained over 2 dummies) and labelled with the target label. The expectation
+    is built here from the raw data alone: numpy blends and bitwise_xor, the documented seeded draws
+    (derive_seed(seed, "oneshot-encode", cid) per device, derive_seed(seed, "oneshot-decode") on
+    the server), the deficit split over holders in device order; nothing of the algorithm's codecs."""
+    from fedhpc.algorithms.base import derive_seed
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    M, alpha, D = 2, 0.5, 2
+    argv = ["--algo", "xormixfl", *DIGITS, "--clients-per-round", "6", "--rounds", "1", "--model", "mlp",
+            "--partition", "deficient:0,2:3:10", *SERVER, "--server-epochs", "1", "--num-dummy", str(D),
+            "--max-blend", str(M), "--blend-alpha", str(alpha), "--privacy-samples", "0", "--threads", "1",
+            "--quiet", "--no-tensorboard"]
+    cfg, ao, do = parse_args(argv)
+    eng = Engine(cfg, ao, do, World(threads=1))
+    seen = {}
+
+    def capture(x, targets, tcfg, seed, **kw):
+        seen["x"], seen["y"] = x.clone(), targets.clone()
+        return {"loss": 0.0}
+
+    monkeypatch.setattr(eng.algo.trainer, "fit", capture)
+    eng.run_round(0)
+
+    def pixels(x):  # round(255 x), numpy's round-half-even as torch's
+        return np.round(x.double().numpy() * 255).astype(np.uint8)
+
+    sx, sy = eng.data.server_data()
+    spix, sy_np = pixels(sx), sy.numpy()
+    counts = np.bincount(sy_np, minlength=10)
+    deficits = {t: int(counts.max() - n) for t, n in enumerate(counts) if n < counts.max()}
+    assert deficits == {0: 26, 2: 26}
+    targets = sorted(deficits)
+    devices = [(pixels(eng.data.client(c).x), eng.data.client(c).y.numpy()) for c in range(6)]
+    holders = {t: [c for c in range(6) if (devices[c][1] == t).any()] for t in targets}
+    encoded = []  # (target, dummies, encoded uint8 sample) in (device, position) order
+    for cid, (px, y) in enumerate(devices):
+        asks = {}
+        for t in targets:
+            if cid in holders[t]:
+                q, r = divmod(deficits[t], len(holders[t]))
+                asks[t] = q + (1 if holders[t].index(cid) < r else 0)
+        g = torch.Generator().manual_seed(derive_seed(cfg.seed, "oneshot-encode", cid))
+        candidates = np.array(sorted(set(y.tolist()) - set(targets)))
+        for t in sorted(asks):
+            for _ in range(asks[t]):
+                e = np_draw_blend(px, np.flatnonzero(y == t), M, alpha, g)
+                dummies = candidates[torch.randperm(len(candidates), generator=g)[:D].numpy()]
+                for d in dummies:
+                    e = np.bitwise_xor(e, np_draw_blend(px, np.flatnonzero(y == d), M, alpha, g))
+                encoded.append((t, dummies, e))
+    g = torch.Generator().manual_seed(derive_seed(cfg.seed, "oneshot-decode"))
+    decoded = []
+    for t, dummies, e in encoded:  # Eq. 3 with the server's own blends of the same dummy labels
+        d = e
+        for lab in dummies:
+            d = np.bitwise_xor(d, np_draw_blend(spix, np.flatnonzero(sy_np == lab), M, alpha, g))
+        decoded.append((t, d, e))
+    kept, taken = [], {t: 0 for t in targets}
+    for t, d, e in decoded:
+        if taken[t] < deficits[t]:
+            kept.append((t, d, e))
+            taken[t] += 1
+    want_x = torch.from_numpy(np.stack([d for _, d, _ in kept]).astype(np.float64) / 255).float()
+    want_y = torch.tensor([t for t, _, _ in kept])
+    x, y = seen["x"], seen["y"]
+    n = len(sx)
+    assert torch.equal(x[:n], sx) and torch.equal(y[:n], sy)           # the base set, unchanged
+    assert len(y) == n + 52 and torch.equal(y[n:], want_y), "the added samples carry their target label"
+    assert torch.equal(x[n:], want_x), "the server trains on the XOR-decoded samples"
+    # the check can tell: the still-encoded samples are another set, as is a decode with the device's blend
+    still_encoded = torch.from_numpy(np.stack([e for _, _, e in kept]).astype(np.float64) / 255).float()
+    assert (still_encoded != want_x).any(dim=(1, 2, 3)).all()
