@@ -22,7 +22,7 @@ from fedhpc.flat import FlatModel
 from fedhpc.models import build_model
 from fedhpc.run_log import WALL_CLOCK_METRICS
 from fedhpc.world import World
-from reference_steps import autograd, batch_indices
+from reference_steps import autograd, batch_indices, flat_of
 from reference_steps_pmixfed import model_at
 
 #: hand computations compared within tolerances that must hold on any CPU (scripts/test.sh runs them twice)
@@ -516,3 +516,105 @@ def test_a_partial_method_leads_its_final_line_with_the_clients_own_models(algo,
     final = [line for line in p.stdout.splitlines() if line.startswith("final")]
     assert len(final) == 1 and final[0].startswith("final mean accuracy of the clients' own models"), p.stdout
     assert "initial personal part): test accuracy" in final[0]
+
+
+# ----------------------------------------------------------------------------- which layers are personal
+
+def by_name(eng, flat):
+    """{parameter name: its slice of the flat state} (float64)."""
+    return {e.name: flat[e.offset:e.offset + e.numel].double() for e in eng.flat.entries}
+
+
+def test_lg_fedavg_keeps_the_representation_layers_per_client_and_averages_the_top_layer():
+    """LG-FedAvg (the paper's reading, --global-layers head by default): the local representation
+    (blocks.0, blocks.1 of a 3-block MLP) stays with each client, the top layer (head) is averaged.
+    After a round, checked parameter by parameter against what each client trained (read off the
+    model it uploads from): the global head is the n_k-weighted mean of the clients' heads and its
+    blocks are still the initial ones; every client keeps its own blocks (different per client)
+    under the global head; and a client sampled again starts from its own blocks."""
+    eng = engine(["--algo", "lg_fedavg", *BASE, "--model", "mlp", "--model-opt", "depth=3"])
+    init = by_name(eng, eng.global_state.clone())
+    trained, starts = {}, {}
+    upload, local_update = eng.algo.upload, eng.algo.local_update
+
+    def spy_upload(model, ctx):
+        trained[(ctx.round.index, ctx.cid)] = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        return upload(model, ctx)
+
+    def spy_local_update(model, ctx):
+        starts[(ctx.round.index, ctx.cid)] = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        return local_update(model, ctx)
+
+    eng.algo.upload, eng.algo.local_update = spy_upload, spy_local_update
+    eng.run_round(0)
+    first = sorted(c for t, c in trained if t == 0)
+    assert len(first) == 3
+    g = by_name(eng, eng.global_state)
+    sizes = {cid: eng.data.client(cid).num_train for cid in first}
+    for name in ("head.weight", "head.bias"):
+        mean = sum(sizes[c] * trained[(0, c)][name] for c in first) / sum(sizes.values())
+        assert float((g[name] - mean.reshape(-1)).abs().max()) <= 1e-6, name
+        assert float((g[name] - init[name]).abs().max()) > 1e-3, f"{name}: the global top layer must move"
+    for name in ("blocks.0.0.weight", "blocks.0.0.bias", "blocks.1.0.weight", "blocks.1.0.bias"):
+        assert torch.equal(g[name], init[name]), f"{name}: a representation layer was aggregated"
+    for cid in first:
+        mine = by_name(eng, eng.algo.client_model(cid))
+        for name in mine:
+            want = g[name] if name.startswith("head.") else trained[(0, cid)][name].reshape(-1)
+            assert float((mine[name] - want).abs().max()) <= 1e-7, (cid, name)
+    for a, b in zip(first, first[1:]):  # kept layers are each client's own
+        assert float((trained[(0, a)]["blocks.0.0.weight"] - trained[(0, b)]["blocks.0.0.weight"]).abs().max()) > 1e-3
+    eng.run_round(1)
+    again = [c for t, c in starts if t == 1 and c in first]
+    assert again, "the check needs a client sampled in both rounds"
+    for cid in again:
+        s = starts[(1, cid)]
+        for name in s:
+            want = g[name] if name.startswith("head.") else trained[(0, cid)][name].reshape(-1)
+            assert float((s[name].reshape(-1) - want).abs().max()) <= 1e-7, (cid, name)
+    assert eng.algo.personal.names == ["blocks.0", "blocks.1"] and eng.algo.shared.names == ["head"]
+
+
+def ditto_round_by_hand(eng, cid, t, v, w, anchor):
+    """Ditto's round ``t`` for client ``cid`` in float64 (Alg. 1, personal_steps 1, plain SGD): per
+    batch one step of v on F(v) + lam/2 ||v - a||^2, then one of w on F(w). ``anchor`` is the
+    flat state a, or "local" for the client's own, locally updated copy of the global model."""
+    cfg, lam = eng.cfg, eng.algo.options.lam
+    c = eng.data.client(cid)
+    x, y = c.x.double(), c.y
+    vm, wm = model_at(eng, v.double()), model_at(eng, w.double())
+    fixed = None if anchor == "local" else [p.detach().clone() for p in model_at(eng, anchor.double()).parameters()]
+    for idx in batch_indices(cfg.seed, t, cid, 0, c.num_train, cfg.batch_size):
+        a = [p.detach().clone() for p in wm.parameters()] if fixed is None else fixed
+        gv = autograd(vm, F.cross_entropy(vm(x[idx]), y[idx]))
+        with torch.no_grad():
+            for p, gr, ap in zip(vm.parameters(), gv, a):
+                p -= cfg.lr * (gr + lam * (p - ap))
+        gw = autograd(wm, F.cross_entropy(wm(x[idx]), y[idx]))
+        with torch.no_grad():
+            for p, gr in zip(wm.parameters(), gw):
+                p -= cfg.lr * gr
+    return flat_of(eng, vm)
+
+
+def test_ditto_pulls_the_personal_model_towards_the_rounds_global_model():
+    """Ditto's proximal term lam (v - w^t) anchors v at the global model w^t the round started from:
+    not at the client's previous personal model, nor at its locally updated copy of the global
+    model. Round 2 of a client whose v (from round 1) differs from w^t, by hand against the three
+    anchors: the engine's v is the first, and far from the other two."""
+    eng = engine(["--algo", "ditto", *BASE, "--model", "mlp", "--num-clients", "3", "--clients-per-round", "3",
+                  "--lam", "1.0", "--personal-steps", "1"])
+    eng.run_round(0)
+    cid = 0
+    v_prev, w_t = eng.algo.client_model(cid).clone(), eng.global_state.clone()
+    assert float((v_prev - w_t).abs().max()) > 1e-2
+    want = ditto_round_by_hand(eng, cid, 1, v_prev, w_t, w_t)
+    wrong = {"previous personal model": ditto_round_by_hand(eng, cid, 1, v_prev, w_t, v_prev),
+             "locally updated global copy": ditto_round_by_hand(eng, cid, 1, v_prev, w_t, "local")}
+    eng.run_round(1)
+    got = eng.algo.client_model(cid).double()
+    moved = float((want - v_prev.double()).abs().max())
+    tol = max(2e-5, 2e-3 * moved)
+    assert float((got - want).abs().max()) <= tol, (float((got - want).abs().max()), tol)
+    for what, other in wrong.items():
+        assert float((other - want).abs().max()) > 10 * tol, f"the check cannot tell the anchor from the {what}"
