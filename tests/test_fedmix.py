@@ -610,3 +610,69 @@ def test_fedmix_on_an_lstm_on_a_real_gpu_equals_the_cpu_and_needs_cudnn_off():
     finally:
         torch.backends.cudnn.enabled = before
         model.cpu()
+
+
+# --------------------------------------------------------------------------- FedMix's loss is not NaiveMix's
+
+def hand_mafl_losses(net, x, y, xbar, ybar, lam):
+    """Eq. 1 (NaiveMix) and Eq. 5 (FedMix) written out on a float64 model, sample by sample:
+    NaiveMix  mean_i [(1-l) CE(f((1-l) x_i + l xbar), y_i) + l CE(same, ybar)];
+    FedMix    mean_i [(1-l) CE(f(x'_i), y_i) + l CE(f(x'_i), ybar) + l <dCE(f(x'_i), y_i)/dx'_i, xbar>],
+    x'_i = (1-l) x_i, the input gradient kept in the graph (l3 trains through it)."""
+    naive, fed = 0.0, 0.0
+    for i in range(x.shape[0]):
+        xm = (1 - lam) * x[i:i + 1] + lam * xbar
+        logp = torch.log_softmax(net(xm), -1)[0]
+        naive = naive + (1 - lam) * -(y[i] * logp).sum() + lam * -(ybar[0] * logp).sum()
+        xp = ((1 - lam) * x[i:i + 1]).requires_grad_(True)
+        logp = torch.log_softmax(net(xp), -1)[0]
+        ce = -(y[i] * logp).sum()
+        (dx,) = torch.autograd.grad(ce, xp, create_graph=True)
+        fed = fed + (1 - lam) * ce + lam * -(ybar[0] * logp).sum() + lam * (dx * xbar).sum()
+    return naive / x.shape[0], fed / x.shape[0]
+
+
+@pytest.mark.parametrize("algo", ["fedmix", "naivemix"])
+def test_each_mafl_algorithm_trains_on_its_own_loss_and_not_the_others(algo):
+    """FedMix's and NaiveMix's loss hooks as a client's round calls them (the mean exchange, the
+    download, the drawn entry, algo.loss): the value and the weight-gradient equal the algorithm's
+    own equation (Eq. 5 for fedmix, Eq. 1 for naivemix) written out above, and lie far from the
+    other one's. The drawn entry is recomputed here: derive_seed(seed, "mean_select", round, cid)
+    picks among the other clients' mean inputs / mean one-hot labels, in client order. The model
+    has trained a round, so its outputs are not the uniform start's, where both losses are ln 10."""
+    import copy
+
+    from fedhpc.algorithms.base import ClientContext, RoundInfo, derive_seed
+
+    lam, cid = 0.4, 1
+    eng = make_engine(algo, lam=lam)
+    eng.run_round(0)
+    method = eng.algo
+    rnd = RoundInfo(1, [cid], [cid], eng.cfg.lr)
+    method.round_begin(rnd)
+    c = eng.data.client(cid)
+    ctx = ClientContext(method, cid, c, rnd)
+    method.download(ctx)
+    x, y = c.x[:12], c.y[:12]
+    params = list(eng.model.parameters())
+    loss = method.loss(eng.model, x, y, ctx)
+    got_grads = torch.autograd.grad(loss, params)
+
+    others = [k for k in range(eng.data.num_clients) if k != cid]
+    g = torch.Generator().manual_seed(derive_seed(eng.cfg.seed, "mean_select", 1, cid))
+    k = others[int(torch.randint(len(others), (1,), generator=g))]
+    ck = eng.data.client(k)
+    xbar, ybar = ck.x.double().mean(0, keepdim=True), one_hot(ck.y, 10, torch.float64).mean(0, keepdim=True)
+    net = copy.deepcopy(eng.model).double()
+    naive, fed = hand_mafl_losses(net, x.double(), one_hot(y, 10, torch.float64), xbar, ybar, lam)
+    own, other = (fed, naive) if algo == "fedmix" else (naive, fed)
+    tol = 1e-6 * abs(float(own))  # float32 rounding
+    assert abs(float(loss) - float(own)) <= tol, (algo, float(loss), float(own), float(other))
+    assert abs(float(other) - float(own)) > 100 * tol, "the two losses are too close to tell apart here"
+    own_grads = torch.autograd.grad(own, list(net.parameters()))
+    other_grads = torch.autograd.grad(other, list(net.parameters()))
+    scale = max(float(gr.abs().max()) for gr in own_grads)
+    gdiff = max(float((a.double() - b).abs().max()) for a, b in zip(got_grads, own_grads))
+    odiff = max(float((a - b).abs().max()) for a, b in zip(other_grads, own_grads))
+    assert gdiff <= 1e-4 * scale, (algo, gdiff, scale)
+    assert odiff > 100 * 1e-4 * scale, "the two gradients are too close to tell apart here"
