@@ -44,8 +44,11 @@ def test_ledger_books_outputs_seeds_and_parameters_by_kind(algo):
 @pytest.mark.parametrize("algo", ["fld", "mix2fld"])
 def test_each_device_books_its_own_seeds_and_a_held_out_device_none(algo):
     """seed_bytes against a brute-force selection of each device's rows of the collected set;
-    cold-start devices upload no seeds, so the counts differ between devices."""
-    cfg, ao, do = parse_args(["--algo", algo, *ARGS, "--cold-start-fraction", "0.4"])
+    cold-start devices upload no seeds, so the counts differ between devices. N_I = 4: the three
+    training devices (two in one rotation, one in the other) under the default 'balanced' label
+    schedule, whose four slots hold four different pairs, have 4 x 2 = 8 inverse-mixup
+    combinations, 16 samples, fewer than ARGS' 6 per device asks for."""
+    cfg, ao, do = parse_args(["--algo", algo, *ARGS, "--cold-start-fraction", "0.4", "--inverse-per-device", "4"])
     eng = Engine(cfg, ao, do, World(threads=1))
     eng.run_round(0)
     c = eng.algo.collected
@@ -73,6 +76,43 @@ def test_mix2fld_inverts_seeds_mixed_from_three_samples():
     s = eng.algo.server_set
     assert len(s) == 30 and torch.equal(s.y.max(1).values, torch.ones(30))  # hard labels
     assert s.source_cid.shape[1] == 9  # 3 parent seeds of 3 raw samples each
+
+
+@pytest.mark.parametrize("algo,extra", [("fld", []), ("mixfld", []), ("mix2fld", []),
+                                        ("mix2fld", ["--seed-pairing", "shared"]),
+                                        ("mix2fld", ["--seed-mix-n", "3", "--seed-lam", "0.2"])],
+                         ids=["fld", "mixfld", "mix2fld", "mix2fld-shared", "mix2fld-N3"])
+def test_the_server_trains_on_seeds_built_from_the_raw_data_and_inverse_mixups_with_the_right_hard_labels(algo, extra):
+    """The set the server converts on, built independently from the devices' raw data in
+    tests/reference_steps_mix2fld.py (raw seeds; Eq. 6 mixtures under the documented label schedule,
+    'balanced' by default or 'shared'; Eqs. 7-8 inverse mixups, lambda_hat = lambda / (2 lambda - 1) for N = 2 and the circulant's
+    inverse for N = 3), whose hard labels are checked there against the raw labels behind each
+    sample: the algorithm's set has the same inputs and labels, row for row. An inverse mixup that
+    labels its outputs wrongly, or weights its seeds wrongly, fails here."""
+    from reference_steps_mix2fld import server_samples_by_hand
+
+    cfg, ao, do = parse_args(["--algo", algo, *ARGS, *extra])
+    eng = Engine(cfg, ao, do, World(threads=1))
+    fit, seen = eng.algo.trainer.fit, []
+
+    def spy(x, targets, *args, **kw):  # what the server's trainer is handed
+        seen.append((x.detach().clone(), targets.detach().clone()))
+        return fit(x, targets, *args, **kw)
+
+    eng.algo.trainer.fit = spy
+    if algo != "fld":  # the label schedule the hand computation follows: the default, or the one asked for
+        assert eng.algo.seed_pairing == ("shared" if "shared" in extra else "balanced")
+    eng.run_round(0)
+    want = server_samples_by_hand(eng)
+    assert len(seen) == 1 and len(seen[0][0]) == len(want) == (30 if algo == "mix2fld" else 20)
+    gx, gy = seen[0]
+    wx = torch.stack([s.x for s in want])
+    wy = torch.stack([s.soft for s in want])
+    assert float((gx.double() - wx).abs().max()) <= 1e-5, "the server trains on other inputs than the hand-built ones"
+    assert torch.allclose(gy.double(), wy, atol=1e-6, rtol=0), "the server trains on other labels than the hand-built ones"
+    if algo == "mix2fld":  # hard labels, of several labels, with negative weights in the mix
+        assert torch.equal(gy.argmax(1), wy.argmax(1)) and torch.equal(wy.max(1).values, torch.ones(len(wy)))
+        assert len(set(wy.argmax(1).tolist())) > 2 and min(min(s.sources.values()) for s in want) < 0
 
 
 # ----------------------------------------------------------------------------- stopping rule (--stop-epsilon)
@@ -282,10 +322,7 @@ def delivered_by_the_channel(eng, label_ids):
 
 @pytest.mark.parametrize("algo", ["fld", "mix2fld"])
 def test_seed_delivery_channel_uses_exactly_the_seeds_of_the_devices_whose_round1_upload_arrived(algo):
-    from fedhpc.algorithms.base import derive_seed
-    from fedhpc.exchanges.inverse_mixup import inverse_mixup
-    from fedhpc.exchanges.seed_samples import SeedSet
-    from reference_steps_mix2fld import fld_round
+    from reference_steps_mix2fld import fld_round, server_samples_by_hand
 
     eng = channel_engine(algo, SOME_LOST, "channel")
     arrived = delivered_by_the_channel(eng, 1 if algo == "fld" else 2)
@@ -300,16 +337,15 @@ def test_seed_delivery_channel_uses_exactly_the_seeds_of_the_devices_whose_round
     assert eng.algo.seed_deliverers == arrived
     assert m["seeds_uploaded"] == 6 * 4 and m["seeds_delivered"] == 4 * len(arrived)
     assert m["bytes_up_seeds"] == 6 * 4 * (64 + (1 if algo == "fld" else 2))  # sent, lost or not
-    mine = SeedSet.cat([eng.algo.make_seeds(c) for c in arrived])
-    if algo == "fld":
-        want = mine
-    else:  # N_I per delivering device, from their seeds only (fewer if they have too few partners)
-        want = inverse_mixup(mine, 4 * len(arrived), generator=torch.Generator().manual_seed(
-            derive_seed(eng.cfg.seed, "inverse-mixup")), strict=False)
-        assert set(want.source_cid.flatten().tolist()) <= set(arrived) and 0 < len(want) <= 4 * len(arrived)
+    # built from the raw data of the delivering devices alone (tests/reference_steps_mix2fld.py)
+    want = server_samples_by_hand(eng, arrived)
+    if algo == "mix2fld":  # N_I per delivering device, from their seeds only (fewer if they have too few partners)
+        assert {cid for s in want for cid, _ in s.sources} <= set(arrived) and 0 < len(want) <= 4 * len(arrived)
         assert m["server_samples"] == len(want)
     got = eng.algo.server_set
-    assert torch.equal(got.x, want.x) and torch.equal(got.y, want.y)
+    assert len(got) == len(want)
+    assert float((got.x.double() - torch.stack([s.x for s in want])).abs().max()) <= 1e-5
+    assert torch.allclose(got.y.double(), torch.stack([s.soft for s in want]), atol=1e-6, rtol=0)
     assert set(eng.algo.server_set.source_cid.flatten().tolist()) == set(arrived)
     diff = float((eng.global_state.double() - expected["global_state"]).abs().max())
     assert diff <= 2e-5, f"{algo}: round 1 differs from the hand computation on the delivered seeds by {diff:.2e}"
