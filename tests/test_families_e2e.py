@@ -131,3 +131,57 @@ def test_every_algorithm_trains_on_cifar10_pickles(algo, tmp_path):
     extra = IMAGE_EXTRA.get(algo, [])
     trained_two_rounds(algo, ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--partition", "iid",
                               "--batch-size", "8", *extra, *([] if "--model" in extra else SMALL_CNN)])
+
+
+# ------------------------------------------------------------------------ each family's main method learns
+
+#: each family's main method on digits, small enough for a few seconds, and the accuracy it must
+#: reach (chance: 0.1). The headline is the method's own metric: pMixFed's clients' own models on
+#: their own splits; XorMixFL's accuracy on its target label, which the server's base set nearly
+#: lacks (2 of 40 samples: standalone, the control below, gets it wrong).
+DIGITS = ["--dataset", "digits", "--threads", "1", "--quiet", "--no-tensorboard", "--seed", "0",
+          "--checkpoint-every", "0"]
+LEARNS = {
+    "fedmix": (["--model", "mlp", "--partition", "dirichlet:1.0", "--num-clients", "6", "--clients-per-round", "6",
+                "--rounds", "5", "--batch-size", "16", "--lr", "0.1", "--lam", "0.05", "--client-test-fraction", "0"],
+               {"test_accuracy": 0.6}),
+    "fedalign": (["--model", "resnet_digits", "--model-opt", "width=4", "--partition", "iid", "--num-clients", "4",
+                  "--clients-per-round", "4", "--rounds", "3", "--batch-size", "32", "--lr", "0.05", "--momentum", "0.9",
+                  "--grad-clip", "10", "--client-test-fraction", "0"],
+                 {"test_accuracy": 0.55}),
+    "pmixfed": (["--model", "pmixfed_cnn_digits", "--model-opt", "channels=4", "--partition", "classes:5",
+                 "--num-clients", "5", "--clients-per-round", "5", "--rounds", "4", "--local-epochs", "2",
+                 "--batch-size", "32", "--optimizer", "adam", "--lr", "0.005", "--client-test-fraction", "0.2"],
+                {"local_test_accuracy_mean": 0.75}),
+    "xormixfl": (["--model", "mlp", "--partition", "deficient:0:2:9", "--num-clients", "10", "--clients-per-round", "10",
+                  "--rounds", "1", "--data-opt", "server_per_label=40", "--data-opt", "server_deficient=0",
+                  "--data-opt", "server_deficient_count=2", "--server-epochs", "30", "--per-label-accuracy",
+                  "--client-test-fraction", "0"],
+                 {"test_accuracy": 0.6, "test_accuracy_label0": 0.6}),
+    "mix2fld": (["--model", "mlp", "--partition", "skewed:2:1:13", "--num-clients", "10", "--clients-per-round", "10",
+                 "--rounds", "3", "--batch-size", "10", "--lr", "0.05", "--seeds-per-device", "20",
+                 "--inverse-per-device", "20", "--server-steps", "200", "--server-lr", "0.05",
+                 "--client-test-fraction", "0"],
+                {"test_accuracy": 0.6}),
+}
+
+
+def run_to_the_end(algo, argv):
+    from fedhpc.config import parse_args
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    eng = Engine(*parse_args(["--algo", algo, *DIGITS, *argv]), World(threads=1))
+    return eng.evaluate(), eng.run()
+
+
+@pytest.mark.parametrize("algo", list(LEARNS))
+def test_each_familys_main_method_learns_the_digits(algo):
+    argv, floors = LEARNS[algo]
+    before, final = run_to_the_end(algo, argv)
+    for metric, floor in floors.items():
+        assert final[metric] >= floor, f"{algo}: {metric} {final[metric]:.3f} < {floor} (before training " \
+                                       f"{before.get(metric, float('nan')):.3f})"
+    if algo == "xormixfl":  # the decoded samples taught the target label: without them it is not learnt
+        _, alone = run_to_the_end("standalone", argv)  # the same server set and training, no uploads
+        assert alone["test_accuracy_label0"] <= final["test_accuracy_label0"] - 0.4, alone["test_accuracy_label0"]
