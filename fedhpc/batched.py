@@ -38,7 +38,10 @@ Equal to the sequential path (within float rounding), client by client:
 
 Who is batched: an algorithm opts in with the class attribute ``batchable = True`` and a
 hook ``batched_loss(group, x, y, weight) -> (K,)`` (see :class:`ClientGroup`); the
-sequential ``loss`` stays the reference. A subclass that overrides ``loss``,
+sequential ``loss`` stays the reference. Today: FedAvg, FedProx, NaiveMix, FedMix, LocalMix,
+Mixup, and the personalised FedPer, LG-FedAvg, FedSim and pMixFed (-Dynamic), whose
+``download`` builds the model a client trains (personal layers, pMixFed's mix) before the
+batched steps start, as it does before the sequential ones. A subclass that overrides ``loss``,
 ``local_update``, ``make_optimizer`` or ``mix_loss`` without declaring ``batchable`` itself is
 refused, so a method never inherits a batched path that no longer matches its loss.
 
@@ -89,7 +92,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .flat import FlatModel
 
 #: hooks whose override changes the local update: an override must come with its own opt-in
-LOCAL_UPDATE_HOOKS = ("loss", "local_update", "make_optimizer", "mix_loss")
+#: (train_epochs / joint_update: the personalised family's local update, fedhpc.algorithms.personal)
+LOCAL_UPDATE_HOOKS = ("loss", "local_update", "make_optimizer", "mix_loss", "train_epochs", "joint_update")
 
 
 # --------------------------------------------------------------------------- what a hook sees

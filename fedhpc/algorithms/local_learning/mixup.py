@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ...batched import weighted_task_loss
 from ...errors import ConfigError
 from .. import register_algorithm
 from ..base import derive_seed, task_loss
 from .local_reg import LocalRegAlgorithm, LocalRegOptions
-from ..mafl.mixing import MixSpace, mixup_loss
+from ..mafl.mixing import MixSpace, batched_mixup_loss, mixup_loss
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Mixup(LocalRegAlgorithm):
     """FedAvg with mixup of each batch with a permutation of itself."""
 
     Options = MixupOptions
+    #: plain SGD steps on ``loss``; batched_loss is the same loss for K clients (fedhpc.batched)
+    batchable = True
 
     def setup(self):
         super().setup()
@@ -64,3 +67,28 @@ class Mixup(LocalRegAlgorithm):
         yin = self.space.labels(y, xin.dtype if xin.is_floating_point() else torch.float32)
         # mixup_loss mixes (1 - l) x1 + l x2: l = 1 - beta puts beta on the batch itself
         return mixup_loss(self.space.f(model), xin, yin, xin[perm], yin[perm], 1.0 - beta)
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K clients (fedhpc.batched): each active client draws its beta, then its
+        permutation of its real rows, from its own streams as ``loss`` does; padded rows map to
+        themselves (weight 0). Mixing ratio per client: 1 - beta on the permuted batch."""
+        gamma = self.options.gamma
+        if gamma <= 0:
+            return weighted_task_loss(group.forward(x), y, weight)
+        k, b = x.shape[0], x.shape[1]
+        perm = torch.arange(b, device=x.device).repeat(k, 1)
+        lam = torch.zeros(k, dtype=torch.float64)
+        for i, ctx in enumerate(group.ctxs):
+            if not group.active[i]:
+                continue
+            if "beta_rng" not in ctx.extra:  # the streams loss opens, in its order of draws
+                ctx.extra["beta_rng"] = np.random.default_rng(derive_seed(ctx.cfg.seed, "mixup_beta", ctx.round.index,
+                                                                          ctx.cid))
+                ctx.extra["perm_gen"] = ctx.generator("mixup_perm")
+            lam[i] = 1.0 - float(ctx.extra["beta_rng"].beta(gamma, gamma))
+            n = group.real[i]
+            perm[i, :n] = torch.randperm(n, generator=ctx.extra["perm_gen"]).to(x.device)
+        yin = self.space.labels(y, x.dtype)
+        x2 = torch.gather(x, 1, perm.view((k, b) + (1,) * (x.dim() - 2)).expand_as(x))
+        y2 = torch.gather(yin, 1, perm.unsqueeze(-1).expand_as(yin))
+        return batched_mixup_loss(group.forward, x, yin, x2, y2, lam.to(x.device), weight)

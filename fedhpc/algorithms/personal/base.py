@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ...batched import weighted_task_loss
 from ...errors import ConfigError
 from ...models import model_layers
 from ...ops import segment_mix, segment_offsets
@@ -247,6 +248,12 @@ class PersonalAlgorithm(Algorithm):
                     torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
                 opt.step()
                 ctx.record(loss, y.shape[0])
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` (the task loss) for K clients at once (fedhpc.batched), for the methods of this
+        family that declare ``batchable``: those whose clients train the whole model on it with
+        plain SGD steps (FedPer, LG-FedAvg, FedSim, pMixFed), from what their ``download`` loaded."""
+        return weighted_task_loss(group.forward(x), y, weight)
 
     def modules_of(self, layers: Sequence[int]) -> List[nn.Module]:
         return [self.layer_map.modules[i] for i in layers]

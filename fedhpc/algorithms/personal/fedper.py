@@ -27,6 +27,9 @@ class FedPer(PartialAlgorithm):
     """FedPer: personal head kept by each client, base layers averaged."""
 
     Options = FedPerOptions
+    #: plain SGD steps on the task loss (body and head trained jointly): --clients-at-once > 1
+    #: may train clients together (fedhpc.batched; PersonalAlgorithm.batched_loss)
+    batchable = True
 
     def personal_layers(self):
         return split_layers(self.layer_map.names, self.options.personal_layers, "--personal-layers")

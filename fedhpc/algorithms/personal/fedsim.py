@@ -33,6 +33,9 @@ class FedSim(PartialAlgorithm):
     """FedSim: shared and personal layers updated together; shared ones averaged."""
 
     Options = FedSimOptions
+    #: plain SGD steps on the task loss (shared and personal layers in one step): --clients-at-once > 1
+    #: may train clients together (fedhpc.batched; PersonalAlgorithm.batched_loss)
+    batchable = True
 
     def personal_layers(self):
         shared = split_layers(self.layer_map.names, self.options.shared_layers, "--shared-layers")

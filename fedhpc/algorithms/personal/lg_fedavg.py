@@ -30,6 +30,9 @@ class LGFedAvg(PartialAlgorithm):
     """LG-FedAvg: local representation layers, global top layers averaged."""
 
     Options = LGFedAvgOptions
+    #: plain SGD steps on the task loss (all layers trained jointly): --clients-at-once > 1
+    #: may train clients together (fedhpc.batched; PersonalAlgorithm.batched_loss)
+    batchable = True
 
     def personal_layers(self):
         shared = split_layers(self.layer_map.names, self.options.global_layers, "--global-layers")

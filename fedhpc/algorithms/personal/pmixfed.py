@@ -148,6 +148,9 @@ class PMixFed(PersonalAlgorithm):
     """pMixFed: layer-wise mixup of global and local models at broadcast and aggregation, adaptive mu."""
 
     Options = PMixFedOptions
+    #: plain SGD steps on the task loss (the mixed model trained as FedAvg trains): --clients-at-once > 1
+    #: may train clients together (fedhpc.batched; PersonalAlgorithm.batched_loss)
+    batchable = True
     uses_client_state = True
 
     def setup(self):
