@@ -35,22 +35,52 @@ Readings chosen where the text leaves room (each documented at its option):
   ARQ); failed slots carry nothing. On an outage the link reports the whole
   budget as its latency: the server waited until its deadline.
 
-With the paper's settings (10 devices) an uplink slot carries 4,000 bits
-(W N_ch / |D| log2(1 + theta) tau = 2 MHz x 2 x 1 ms) and succeeds with probability
-0.887 (asymmetric, P^up = 23 dBm) or 0.998 (symmetric, P^up = 40 dBm): FD's 10x10
-output table (3,200 bits) needs one good slot, but FL's 12,544-weight model
-(401,408 bits) needs 101, more than the 50-slot budget (and the 100 slots of
-``full``). The symmetric setting raises only the slot success probability, not
-the bits a slot carries, so FL's uploads are lost in *every* round under both
-settings: FL's global model never leaves its initialisation, and its devices only
-ever train locally from it. The paper's "Under symmetric channels, FL achieves the
-highest accuracy" (Sec. IV, Fig. 2) therefore cannot be reproduced under Eq. 4 with
-these parameters; FL's uploads need more than the paper states, e.g. a wider uplink
-share (``num_channels``) or a budget of at least 101 uplink slots (``t_max_s`` >=
-0.202 with ``half``). The 20,000-bit downlink slots carry the model in 21 good
-slots (success 0.988 per slot). The same arithmetic stops FLD's round-1 upload with
-N_S = 50 seeds (about 317,000 bits, 80 good slots) under both settings: see
-``--seed-delivery`` in :mod:`fedhpc.algorithms.distillation.fld`.
+Which reading of the uplink budget (``uplink_bandwidth``). With the paper's settings read
+literally (``fdma``, the default: 10 devices share W N_ch = 20 MHz, 2 MHz each) an uplink slot
+carries 4,000 bits and succeeds with probability 0.887 (asymmetric, P^up = 23 dBm) or 0.998
+(symmetric, P^up = 40 dBm): FD's 10x10 output table (3,200 bits) needs one good slot, but FL's
+12,544-weight model (401,408 bits) needs 101, more than the 50-slot budget (and the 100 slots of
+``full``). The symmetric setting raises only the slot success probability, not the bits a slot
+carries, so FL's uploads are lost in *every* round under both settings (outage probability 1),
+its global model never leaves its initialisation, and the paper's Fig. 2 ("Under symmetric
+channels, FL achieves the highest accuracy") cannot hold; a round-1 upload with N_S = 50 seeds
+(317,600 bits, 80 good slots) never passes either. Outage probabilities per upload under the
+candidate readings (:meth:`Channel.outage_probability`; asymmetric / symmetric; budget T_max/2 =
+50 slots unless said):
+
+=============================================  ===============  ================  ================
+reading                                        FL model          MixFLD round 1,   FD table
+                                                                 N_S = 50
+=============================================  ===============  ================  ================
+``fdma`` (W N_ch / |D| = 2 MHz), literal       1 / 1             1 / 1             4e-48 / 8e-132
+``fdma``, ``direction_budget=full`` (100)      1 / 1             0.0036 / 1e-34    ~0 / ~0
+W per device (10 MHz)                          0.024 / 6e-45     3e-4 / 8e-56      5e-18 / 5e-97
+``dedicated`` (W N_ch = 20 MHz per device)     0.074 / 7e-56     0.0067 / 9e-63    2e-8 / 4e-82
+``dedicated``, ``full``                        1e-6 / 5e-134     1e-8 / 7e-142     ~0 / ~0
+=============================================  ===============  ================  ================
+
+No reading of the time budget alone (T_max per direction or split, per round or per upload) lets
+FL's 101 slots of 4,000 bits through: the uplink share must be wider. ``dedicated`` (each device
+has the N_ch uplink channels of W to itself, as if "W N_ch / |D|" allotted the channels rather than
+divided them) is the reading under which Fig. 2's claims hold: on the symmetric channel FL's upload
+passes almost surely (11 good slots of 40,000 bits, slot success 0.976), on the asymmetric one
+the wider band's noise drops the slot success to 0.302, so FL loses 7.4% of its uploads and takes
+about three times the slots (its round is the slowest device's), while FD's and the FLD family's
+tables need one slot and Mix2FLD's N_S = 50 seeds pass with probability 0.993 (N_S = 10: 1 - 4e-7),
+through the channel, as Alg. 1 sends them. It is the launch files' setting
+(``launch/mix2fld_*.yaml``). It does not make FL's asymmetric outage large: a 16.7-point gap
+(Sec. IV) is not implied by any reading of these numbers (at 2 MHz the window where FL passes on
+one channel and not the other needs a 102-113-slot budget). The 20,000-bit downlink slots carry
+the model in 21 good slots (success 0.988 per slot) under every reading.
+
+Compute time (``device_seconds_per_sample``, ``server_seconds_per_sample``). The paper's
+convergence time adds "the computing delays of devices and the server, which are measured using
+tic-toc elapsed time"; measured on this machine (the default, both unset) the same command gave
+27.6 s and 14.8 s. Set, they replace the measurement by a deterministic model: a device's compute
+in a round is ``device_seconds_per_sample`` times the samples its local update processed (epochs x
+its data), the server's is ``server_seconds_per_sample`` times the samples its own training
+processed in that round (Mix2FLD's K_s steps x batch; 0 for an average), so the time axis is the
+same on every machine (:class:`RoundLinks`).
 
 Randomness: the link of (round, client, direction) draws its fading from its own
 generator seeded with ``derive_seed(seed, "channel", direction, round, cid)``,
@@ -72,6 +102,8 @@ from ..errors import ConfigError
 from ..seeding import derive_seed
 
 DIRECTIONS = ("up", "down")
+#: readings of Sec. II-C's uplink share (ChannelOptions.uplink_bandwidth)
+UPLINK_BANDWIDTHS = ("fdma", "dedicated")
 
 
 #: the most slots per direction a link simulates (it draws a fading value for each)
@@ -105,6 +137,15 @@ class ChannelOptions:
     t_max_s: float = field(default=0.1, metadata={"help": "T_max: latency budget of a round (up + down), seconds"})
     direction_budget: str = field(default="half", metadata={
         "help": "half (T_max split equally between up- and downlink) | full (T_max for each direction)"})
+    uplink_bandwidth: str = field(default="fdma", metadata={
+        "help": "fdma (Sec. II-C literally: W N_ch / |D| per device; FL's model never passes) | dedicated (W N_ch "
+                "per device: the reading under which Fig. 2 holds; launch/mix2fld_*.yaml)"})
+    device_seconds_per_sample: Optional[float] = field(default=None, metadata={
+        "help": "a device's compute per training sample processed, in seconds (deterministic convergence time); "
+                "unset: measured (tic-toc, as the paper, so it depends on the machine)"})
+    server_seconds_per_sample: Optional[float] = field(default=None, metadata={
+        "help": "the server's compute per sample of each of its training steps (K_s x batch a round), in "
+                "seconds; unset: measured"})
 
     def validate(self) -> None:
         def positive(name: str, unit: str, example: str) -> None:
@@ -142,6 +183,15 @@ class ChannelOptions:
         if self.direction_budget not in ("half", "full"):
             raise ConfigError(f"channel option direction_budget must be 'half' or 'full', "
                               f"got {self.direction_budget!r}")
+        if self.uplink_bandwidth not in UPLINK_BANDWIDTHS:
+            raise ConfigError(f"channel option uplink_bandwidth must be one of {', '.join(UPLINK_BANDWIDTHS)}, got "
+                              f"{self.uplink_bandwidth!r}: fdma (W N_ch / |D| per device) or dedicated (W N_ch each)")
+        for name in ("device_seconds_per_sample", "server_seconds_per_sample"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v < 0):
+                raise ConfigError(f"channel option {name} must be a number of seconds >= 0, or unset for the "
+                                  f"measured time, got {v!r}; e.g. {name}=5.1e-3")
         if self.budget_slots() < 1:
             raise ConfigError(f"channel options give no whole slot per direction: t_max_s={self.t_max_s} "
                               f"({self.direction_budget}) over slot_s={self.slot_s}; raise t_max_s or lower slot_s")
@@ -204,13 +254,14 @@ class Channel:
     # ------------------------------------------------------------------ closed forms
 
     def bandwidth_hz(self, direction: str, num_uplink_devices: int = 1) -> float:
-        """W^up = W N_ch / |D| (FDMA share) or W^dn = W."""
+        """W^up = W N_ch / |D| (FDMA share; ``dedicated``: W N_ch) or W^dn = W."""
         _check_direction(direction)
         if direction == "down":
             return float(self.options.bandwidth_hz)
         if int(num_uplink_devices) < 1:
             raise ValueError(f"num_uplink_devices must be >= 1, got {num_uplink_devices}")
-        return self.options.bandwidth_hz * self.options.num_channels / int(num_uplink_devices)
+        share = 1 if self.options.uplink_bandwidth == "dedicated" else int(num_uplink_devices)
+        return self.options.bandwidth_hz * self.options.num_channels / share
 
     def bits_per_slot(self, direction: str, num_uplink_devices: int = 1) -> float:
         """Bits a decoded slot carries: W^y log2(1 + theta) tau (Eq. 4)."""
@@ -284,11 +335,15 @@ class Channel:
             return "channel none: every link succeeds at once"
         o = self.options
         theta = f"{o.theta:g} dB" if o.theta_unit == "db" else f"{o.theta:g} (linear)"
-        return (f"channel {self.mode} (Mix2FLD Eq. 4): W {o.bandwidth_hz / 1e6:g} MHz, uplink W*{o.num_channels}/|D| "
+        uplink = f"W*{o.num_channels}/|D|" if o.uplink_bandwidth == "fdma" else f"W*{o.num_channels} (dedicated)"
+        compute = ("measured compute" if o.device_seconds_per_sample is None and o.server_seconds_per_sample is None
+                   else f"compute {_per_sample(o.device_seconds_per_sample)} per device sample, "
+                        f"{_per_sample(o.server_seconds_per_sample)} per server sample")
+        return (f"channel {self.mode} (Mix2FLD Eq. 4): W {o.bandwidth_hz / 1e6:g} MHz, uplink {uplink} "
                 f"per device, P_up {self.p_up_dbm:g} dBm, P_dn {o.p_down_dbm:g} dBm, r {o.distance_m:g} m, "
                 f"alpha {o.pathloss_exponent:g}, N0 {o.noise_dbm_per_hz:g} dBm/Hz, theta {theta}, "
                 f"tau {o.slot_s * 1e3:g} ms, T_max {o.t_max_s * 1e3:g} ms ({self.budget} slots per direction); "
-                f"downlink slot success {self.slot_success_probability('down'):.3f}")
+                f"downlink slot success {self.slot_success_probability('down'):.3f}; {compute}")
 
 
 class RoundLinks:
@@ -300,6 +355,12 @@ class RoundLinks:
     receives. A downlink outage leaves the device on its local model until a later downlink
     succeeds (the algorithm's ``on_downlink_outage``); an uplink outage makes it a straggler
     whose upload is lost this round.
+
+    Compute: the engine hands in what it measured (a device's ``compute_s``, the round's
+    ``server_s``) and what was processed (the device's training samples, the samples the
+    algorithm's server trained on in ``aggregate``: its ``server_trained_samples``); with ``device_seconds_per_sample`` /
+    ``server_seconds_per_sample`` set the simulated clock counts the latter at those rates and
+    the machine's speed never enters it.
     """
 
     #: per sampled device: uplink ok, downlink ok, uplink s, downlink s, compute s
@@ -312,9 +373,16 @@ class RoundLinks:
         self.sim_seconds_total = 0.0
 
     def device(self, rows: torch.Tensor, round_index: int, cid: int, position: int, num_devices: int,
-               sent: torch.Tensor, compute_s: float) -> Tuple[bool, bool]:
+               sent: torch.Tensor, compute_s: float, samples: Optional[float] = None) -> Tuple[bool, bool]:
         """Device ``cid``'s links this round, written into ``rows[position]``; (uplink ok, downlink ok).
-        ``sent``: the ledger's bytes for this device (up kinds, then down kinds)."""
+        ``sent``: the ledger's bytes for this device (up kinds, then down kinds); ``compute_s``: its
+        measured compute; ``samples``: the training samples its local update processed (the
+        compute model's count, required when ``device_seconds_per_sample`` is set)."""
+        rate = self.channel.options.device_seconds_per_sample
+        if rate is not None:
+            if samples is None:
+                raise ValueError("device_seconds_per_sample is set: pass the samples the device processed")
+            compute_s = rate * float(samples)
         k = self.num_ledger_kinds
         up = self.channel.uplink(round_index, cid, float(sent[:k].sum()), num_devices)
         down = self.channel.downlink(round_index, cid, float(sent[k:].sum()))
@@ -323,8 +391,13 @@ class RoundLinks:
                                dtype=row.dtype))
         return up.ok, down.ok
 
-    def round_metrics(self, rows: torch.Tensor, server_s: float) -> Dict[str, float]:
-        """The round's link metrics from every device's row (after the sum over ranks)."""
+    def round_metrics(self, rows: torch.Tensor, server_s: float, server_samples: float = 0.0) -> Dict[str, float]:
+        """The round's link metrics from every device's row (after the sum over ranks). ``server_s``:
+        the server's measured time; ``server_samples``: the samples its training processed this
+        round (identical on every rank), which ``server_seconds_per_sample`` turns into its time."""
+        rate = self.channel.options.server_seconds_per_sample
+        if rate is not None:
+            server_s = rate * float(server_samples)
         num_devices = rows.shape[0]
         up_ok, down_ok, up_s, down_s, compute_s = rows.cpu().unbind(1)
         # Devices compute and upload in parallel (FDMA); the server converts; the broadcast
@@ -339,6 +412,10 @@ class RoundLinks:
             "sim_round_seconds": sim,
             "sim_seconds_total": self.sim_seconds_total,
         }
+
+
+def _per_sample(seconds: Optional[float]) -> str:
+    return "measured" if seconds is None else f"{seconds:g} s"
 
 
 def _check_direction(direction: str) -> None:

@@ -32,15 +32,17 @@ Which seeds reach the server (``--seed-delivery``):
 
 * ``always`` (default): every device's seeds, whatever the channel does to its round-1
   uplink (devices not sampled in round 1 send theirs too). Alg. 1 line 6 sends the seeds
-  in the round-1 uplink, which a latency outage loses; but with the paper's own settings
-  (:mod:`fedhpc.server.channel`: 4,000 bits per good uplink slot, 50 slots per direction)
-  a round-1 upload with N_S = 50 MNIST seeds (50 x 6,272 bits of pixels, plus their label
-  bytes, and the 3,200-bit table: about 317,000 bits) needs 80 good slots, so under either
-  channel of Fig. 2/3 (the slot success probability changes, the bits per slot do not) *no*
-  device's seeds would arrive, and the N_S = 50 curves would be of a global model that
-  never leaves its initialisation. The reported results need the seeds to arrive, which
-  this reading gives. (N_S = 10 needs 17 good slots and passes almost surely.)
-* ``channel``: Alg. 1 read literally. A device's seeds reach the server only with its
+  in the round-1 uplink, which a latency outage loses; but with the paper's channel read
+  literally (:mod:`fedhpc.server.channel`, ``uplink_bandwidth=fdma``: 4,000 bits per good
+  uplink slot, 50 slots per direction) a round-1 upload with N_S = 50 MNIST seeds (50 x 6,272
+  bits of pixels, plus their label bytes, and the 3,200-bit table: about 317,000 bits) needs
+  80 good slots, so under either channel of Fig. 2/3 *no* device's seeds would arrive, and
+  the N_S = 50 curves would be of a global model that never leaves its initialisation.
+  (N_S = 10 needs 17 good slots and passes almost surely.)
+* ``channel``: Alg. 1 read literally, what the launch files run: under the channel reading
+  they use (``uplink_bandwidth=dedicated``, under which Fig. 2 holds) N_S = 50 seeds need 8
+  good slots of 40,000 bits and arrive with probability 0.993 per device on the asymmetric
+  channel (N_S = 10: 1 - 4e-7). A device's seeds reach the server only with its
   round-1 upload: if it was sampled in round 1 and that uplink had no outage. A straggler's
   seeds are lost for good (Alg. 1 sends them only at p = 1), and a device not sampled in
   round 1 sends none. The server learns which uploads arrived from the round's sum (each
@@ -85,9 +87,9 @@ class FLDOptions(SeedSampleOptions):
     server_micro_batch: int = field(default=8, metadata={
         "help": "samples per micro-batch of the data-parallel server step (fixed: results do not depend on ranks)"})
     seed_delivery: str = field(default="always", metadata={
-        "help": "always (every device's seeds reach the server: what the paper's N_S = 50 results need, "
-                "since such a round-1 upload cannot pass its channel) | channel (Alg. 1 literally: only "
-                "with a round-1 upload that had no outage)"})
+        "help": "always (every device's seeds reach the server, whatever the channel: a round-1 upload of N_S "
+                "= 50 seeds never passes the literal fdma uplink) | channel (Alg. 1 literally: only with a "
+                "round-1 upload that had no outage; launch/mix2fld_*.yaml)"})
 
     def validate(self):
         super().validate()
@@ -288,8 +290,9 @@ class FLD(Algorithm):
         self.flat.load_(global_state)
         cfg = ServerTrainConfig(steps=o.server_steps, batch_size=min(o.server_batch, len(s)),
                                 micro_batch=o.server_micro_batch, lr=o.server_lr)
-        self.trainer.fit(s.x, s.y, cfg, seed=derive_seed(self.cfg.seed, "server-train", rnd.index),
-                         loss_fn=eq5, extra=(teacher, has))
+        fit = self.trainer.fit(s.x, s.y, cfg, seed=derive_seed(self.cfg.seed, "server-train", rnd.index),
+                               loss_fn=eq5, extra=(teacher, has))
+        self.server_trained_samples = float(fit["samples"])  # K_s x batch: the channel's compute model counts them
         return self.flat.flat.detach().clone()
 
     def convergence_state(self, global_state):
