@@ -232,7 +232,7 @@ class Engine(Evaluation, RunLog, Resume):
             buf[self._slot("compute_s")] += compute_s
             if self.links is not None:
                 up_ok, down_ok = self.links.device(self._link_rows(len(sampled)), t, cid, position[cid], len(sampled),
-                                                   algo.ledger.values - traffic_before, compute_s)
+                                                   algo.ledger.values - traffic_before, compute_s, ctx.samples)
                 if not down_ok:
                     algo.on_downlink_outage(self.model, ctx)
                 if not up_ok:
@@ -296,6 +296,7 @@ class Engine(Evaluation, RunLog, Resume):
         summed = self.upload_sum.sum()
         totals = {name: buf[sl] if name in self._sum_grid else summed[sl] for name, (sl, _) in self.uploads.items()}
         s0 = time.perf_counter()
+        algo.server_trained_samples = 0.0  # samples its server trains on in aggregate, if it does (the compute model)
         new_state = algo.aggregate(self.global_state, totals, weight_total, rnd)
         server_s = time.perf_counter() - s0
         self.global_state = new_state.detach().to(self.flat.flat.dtype).clone()
@@ -315,7 +316,8 @@ class Engine(Evaluation, RunLog, Resume):
             **ledger, **self.cum_bytes,
         }
         if self.links is not None:
-            metrics.update(self.links.round_metrics(self._link_rows(len(sampled)), server_s))
+            metrics.update(self.links.round_metrics(self._link_rows(len(sampled)), server_s,
+                                                    algo.server_trained_samples))
         metrics.update(algo.extra_metrics())
         # A round in which no upload arrived (every device a straggler) changes nothing: that
         # is not convergence, so the stopping rule only looks at rounds with an update.
