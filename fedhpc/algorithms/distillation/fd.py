@@ -24,6 +24,11 @@ Under the channel model a device whose downlink fails keeps distilling from the 
 it had. The global *model* is never trained (``has_global_model = False``): the run reports
 the devices' own models (``reference_device_accuracy``, ``local_test_accuracy*``) and no
 ``test_accuracy``, which would be the untouched initial model's.
+
+Where in the round ``reference_device_accuracy`` is measured (Fig. 2), for every method alike:
+the reference device's model after round t's download, the one it starts round t + 1 from. An
+FD device's download is the global outputs, which leave its model as its round-t training made
+it; an FL or FLD device's is the global model (tests/test_reference_point.py).
 """
 
 from __future__ import annotations

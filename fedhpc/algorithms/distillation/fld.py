@@ -21,6 +21,10 @@ that the server inversely mixes (:mod:`fedhpc.algorithms.distillation.mix2fld`).
 label distils from the same mixture of teacher rows; rows of labels without a global
 output are left out (renormalised), and a seed with none distils nothing.
 
+Fig. 2's metric, ``reference_device_accuracy``, is the reference device's model after round t's
+download, as for every method: here the converted global model it would start round t + 1 from
+(or the model it kept when the broadcast did not reach it).
+
 Readings: seeds are made once, on every device, before the first round's training
 (Alg. 1, p = 1), in model-input space; their bytes (8-bit pixels) are booked on each
 device's first upload, so the channel model sees the larger round-1 payload.
