@@ -296,7 +296,7 @@ class FLD(Algorithm):
                                 micro_batch=o.server_micro_batch, lr=o.server_lr)
         fit = self.trainer.fit(s.x, s.y, cfg, seed=derive_seed(self.cfg.seed, "server-train", rnd.index),
                                loss_fn=eq5, extra=(teacher, has))
-        self.server_trained_samples = float(fit["samples"])  # K_s x batch: the channel's compute model counts them
+        self.server_trained_samples = float(fit.get("samples", 0.0))  # K_s x batch: the channel's compute model counts them
         return self.flat.flat.detach().clone()
 
     def convergence_state(self, global_state):

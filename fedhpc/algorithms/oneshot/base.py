@@ -254,7 +254,7 @@ class OneShotServer(Algorithm):
                                seed=derive_seed(self.cfg.seed, "oneshot-server-train"),
                                transform=self.data.transform)
         self.metrics["server_train_loss"] = float(fit["loss"])
-        self.server_trained_samples = float(fit["samples"])  # epochs x set: the channel's compute model counts them
+        self.server_trained_samples = float(fit.get("samples", 0.0))  # epochs x set: the channel's compute model counts them
         self.train_set = None  # not needed again; a resumed run never rebuilds it
         return self.flat.flat.detach().clone()
 
