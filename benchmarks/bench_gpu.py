@@ -23,6 +23,8 @@ Workloads (FedAvg, SGD lr 0.05, 1 local epoch, IID; the global test set is evalu
 
 * ``cnn``: the digits CNN on digits (8x8), 100 clients x ~15 samples, batch 5, 10 per round
   (workload (a) of bench_overhead.py with the CNN), and ``cnn50``: 50 per round;
+* ``cnn_bn_do``: ``cnn`` with BatchNorm after each convolution and dropout 0.3 before the head
+  (batched clients with per-client statistics and masks, issue 41);
 * ``lenet5``: LeNet-5 on synthetic 1x28x28 (MNIST's shape), 200 clients x 60, batch 10, 20 per round;
 * ``resnet18``: ResNet-18 on synthetic 3x64x64 (ImageNet-200's shape, 200 classes), 40 clients
   x 100, batch 32, 10 per round; BatchNorm for the sequential row ``resnet18_bn``, ``norm=none``
@@ -77,6 +79,8 @@ WORKLOADS = {
                 per_round=10),
     "cnn50": dict(args=["--dataset", "digits", "--model", "cnn", "--num-clients", "100", "--batch-size", "5"],
                   per_round=50),
+    "cnn_bn_do": dict(args=["--dataset", "digits", "--model", "cnn", "--model-opt", "norm=batch", "--model-opt",
+                            "dropout=0.3", "--num-clients", "100", "--batch-size", "5"], per_round=10),
     "lenet5": dict(args=["--dataset", "synthetic", "--data-opt", "shape=1x28x28", "--data-opt", "train_samples=12000",
                          "--data-opt", "test_samples=1000", "--model", "lenet5", "--num-clients", "200",
                          "--batch-size", "10"], per_round=20),
@@ -135,8 +139,9 @@ def lines(path):
 def plain_round(model, global_sd, data, cfg, t, device):
     """One FedAvg round as a researcher writes it by hand (bench_round.py's loop, on ``device``):
     load the global weights, a fresh SGD, the client's batches, the weighted average of the state
-    dicts in float64. Batch order: ClientContext.batches' rule; inputs through the dataset's own
-    (non-augmenting) transform."""
+    dicts in float64 (BatchNorm's running statistics included). Batch order: ClientContext.batches'
+    rule; inputs through the dataset's own (non-augmenting) transform; with dropout, torch seeded
+    per client as fedhpc seeds it (``torch.manual_seed``, as a script would)."""
     from fedhpc.engine import sample_clients
     from fedhpc.seeding import derive_seed
 
@@ -144,9 +149,12 @@ def plain_round(model, global_sd, data, cfg, t, device):
     lr = cfg.lr * cfg.lr_decay ** t
     total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in global_sd.items()}
     weight = 0.0
+    draws = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
     for cid in sampled:
         client = data.client(cid).training_on(device)
         x_all, y_all = data.transform(client.x, True, None), client.y
+        if draws:  # a seed per client for the dropout masks, the one fedhpc's sequential loop uses
+            torch.manual_seed(derive_seed(cfg.seed, "client", t, cid))
         model.load_state_dict(global_sd)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                               weight_decay=cfg.weight_decay)

@@ -12,7 +12,7 @@
 # plain: issue 41's table: benchmarks/bench_gpu.py --modes plain,seq,batched on cnn, cnn50, lenet5 (the
 #        hand-written loop beside fedhpc sequential and batched, ratios of one run, |w - w_plain|);
 #        PLAIN_REPEATS (default 2) alternations, PLAIN_ROUNDS (default 15) rounds each; then the same
-#        three modes --in-process (rounds interleaved in one process)
+#        three modes --in-process (rounds interleaved in one process), with cnn_bn_do (BatchNorm + dropout)
 # bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; plain, sequential, batched, ranks sharing)
 # The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
 set -u
@@ -72,7 +72,7 @@ plain)
   timeout 480 $PY benchmarks/bench_gpu.py --only cnn,cnn50,lenet5 --modes plain,seq,batched --rounds "${PLAIN_ROUNDS:-15}" \
     --warmup 3 --repeats "${PLAIN_REPEATS:-2}" --json "$OUT/bench_gpu_plain.json" 2>&1 | tee "$OUT/bench_gpu_plain.txt"
   step "bench_gpu --in-process plain,seq,batched (the same ratios, rounds interleaved in one process)"
-  timeout 300 $PY benchmarks/bench_gpu.py --in-process --only cnn,cnn50,lenet5 --modes plain,seq,batched \
+  timeout 300 $PY benchmarks/bench_gpu.py --in-process --only cnn,cnn50,cnn_bn_do,lenet5 --modes plain,seq,batched \
     --rounds "${PLAIN_ROUNDS:-15}" --warmup 3 --json "$OUT/bench_gpu_plain_inprocess.json" 2>&1 \
     | tee "$OUT/bench_gpu_plain_inprocess.txt"
   ;;
