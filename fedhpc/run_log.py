@@ -250,7 +250,8 @@ class RunLog:
         if "reference_device_accuracy" in final:
             line += f"; reference device {self.reference_device}: accuracy {final['reference_device_accuracy']:.4f}"
         if "sim_seconds_total" in final:
-            line += f", convergence time {final['sim_seconds_total']:.2f} s (simulated channel + measured compute)"
+            compute = "compute model" if self.channel.models_compute() else "measured compute"
+            line += f", convergence time {final['sim_seconds_total']:.2f} s (simulated channel + {compute})"
         return line
 
     def _write_hparams(self, final: Dict[str, float]) -> None:

@@ -330,13 +330,17 @@ class Channel:
 
     # ------------------------------------------------------------------ report
 
+    def models_compute(self) -> bool:
+        """Whether compute time comes from the per-sample rates (the same on every machine), not a clock."""
+        return self.options.device_seconds_per_sample is not None or self.options.server_seconds_per_sample is not None
+
     def describe(self) -> str:
         if self.mode == "none":
             return "channel none: every link succeeds at once"
         o = self.options
         theta = f"{o.theta:g} dB" if o.theta_unit == "db" else f"{o.theta:g} (linear)"
         uplink = f"W*{o.num_channels}/|D|" if o.uplink_bandwidth == "fdma" else f"W*{o.num_channels} (dedicated)"
-        compute = ("measured compute" if o.device_seconds_per_sample is None and o.server_seconds_per_sample is None
+        compute = ("measured compute" if not self.models_compute()
                    else f"compute {_per_sample(o.device_seconds_per_sample)} per device sample, "
                         f"{_per_sample(o.server_seconds_per_sample)} per server sample")
         return (f"channel {self.mode} (Mix2FLD Eq. 4): W {o.bandwidth_hz / 1e6:g} MHz, uplink {uplink} "
