@@ -206,8 +206,12 @@ def test_the_final_line_leads_with_the_model_the_method_ends_with():
         "accuracy 0.5000")
     del run.algo
     run.cfg.algo = "fd"
-    assert RunLog._final_line(run, {"local_test_accuracy_mean": 0.85, "reference_device_accuracy": 0.72,
-                                    "sim_seconds_total": 1.5}) == (
+    fd_final = {"local_test_accuracy_mean": 0.85, "reference_device_accuracy": 0.72, "sim_seconds_total": 1.5}
+    run.channel = SimpleNamespace(models_compute=lambda: False)
+    assert RunLog._final_line(run, fd_final) == (
         "final mean accuracy of the devices' own models 0.8500 (their local splits) after 7 rounds; fd trains no "
         "global model; reference device 4: accuracy 0.7200, convergence time 1.50 s (simulated channel + "
         "measured compute)")
+    # the channel's per-sample rates (the launch files'), not this machine's clock
+    run.channel = SimpleNamespace(models_compute=lambda: True)
+    assert RunLog._final_line(run, fd_final).endswith("convergence time 1.50 s (simulated channel + compute model)")
