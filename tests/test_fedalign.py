@@ -161,8 +161,10 @@ def test_methods_refuse_models_without_their_hooks():
 @pytest.mark.parametrize("algo", ["fedalign", "gradaug", "stochdepth"])
 def test_a_refused_model_is_named_as_the_model_flag_names_it(algo):
     """The refusal names the model by the value --model takes (not the class, SmallCNN), says when
-    it is the dataset's default because --model was left at auto, and names the models that work."""
-    for model, named in ([], "'cnn' (the digits default, as --model is auto)"), (["--model", "mlp"], "'mlp'"):
+    it is the dataset's default because --model was left at auto (on a dataset that names no
+    residual network for auto to take: synthetic), and names the models that work."""
+    for model, named in ((["--dataset", "synthetic"], "'cnn' (the synthetic default, as --model is auto)"),
+                         (["--model", "cnn"], "'cnn'"), (["--model", "mlp"], "'mlp'")):
         with pytest.raises(ConfigError) as refused:
             Engine(*parse_args(["--algo", algo, *BASE, *model]), World(threads=1))
         message = str(refused.value)
@@ -173,9 +175,9 @@ def test_a_refused_model_is_named_as_the_model_flag_names_it(algo):
 def test_moon_refusal_advises_what_gives_a_run():
     """A model without a projection head: the advice is the option where the model takes it, else a
     model that does (the cnn would refuse --model-opt projection_dim next); following it builds."""
-    with pytest.raises(ConfigError, match=r"the run's model 'cnn' \(the digits default, as --model is auto\) has "
-                                          r"none: pass --model resnet56 or resnet18 \(resnet_digits"):
-        Engine(*parse_args(["--algo", "moon", *BASE]), World(threads=1))
+    with pytest.raises(ConfigError, match=r"the run's model 'cnn' has none: pass --model resnet56 or resnet18 "
+                                          r"\(resnet_digits"):
+        Engine(*parse_args(["--algo", "moon", *BASE, "--model", "cnn"]), World(threads=1))
     with pytest.raises(ConfigError, match="the run's model 'resnet_digits' has none: add --model-opt projection_dim"):
         Engine(*parse_args(["--algo", "moon", *BASE, *TINY]), World(threads=1))
     assert engine("moon").algo.model.proj_head is not None  # TINY with --model-opt projection_dim=8

@@ -70,6 +70,7 @@ class FedAlign(LocalRegAlgorithm):
     """FedAvg whose clients align the last block's Lipschitz constant at full and slim width."""
 
     Options = FedAlignOptions
+    auto_model_kind = "residual"
 
     def setup(self):
         super().setup()
