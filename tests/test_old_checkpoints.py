@@ -58,7 +58,10 @@ TODAY = {"pmixfed": ["--first-layer-index", "0"],  # the only numbering before t
          "mix2fld": ["--seed-pairing", "shared", "--server-steps", "3200"],
          # the paper's K_s, FLD's default before a run that leaves it unset got one scaled to its seeds
          # (the identity names the value: a resume without the flag is refused, 3200 vs the scaled one)
-         "fld": ["--server-steps", "3200"]}
+         "fld": ["--server-steps", "3200"],
+         # Eq. 5 as printed, the default before the launcher wrote the authors' rescaling into a run's
+         # settings (the identity reads the fixture's unnamed option as that: a resume without it is refused)
+         "fedalign": ["--no-lip-rescale"]}
 
 
 def _argv(name):
