@@ -156,6 +156,13 @@ def test_a_full_default_mix2fld_run_is_bounded_by_its_resolved_settings(monkeypa
     assert cfg.rounds * opts.server_steps * opts.server_batch == 32_000
 
 
+def test_the_start_of_a_run_says_what_auto_resolved_to(capsys):
+    fedhpc.run(algo="stochdepth", rounds=1, threads=1, tensorboard=False, num_clients=4, clients_per_round=2)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("auto: ")]
+    assert lines == ["auto: partition iid; lr 0.1 (the digits default); local_epochs 2 (the digits default); "
+                     "model resnet_digits (stochdepth needs a residual network instead of the digits default cnn)"]
+
+
 def test_launch_files_leave_nothing_to_the_bare_defaults():
     """The papers' settings stay in the launch files: none leaves a setting to what a bare run
     resolves (digits' lr and epochs, a method's model, server set or K_s), so every file runs as
