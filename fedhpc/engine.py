@@ -19,6 +19,7 @@ import torch
 
 from .client_state import ClientStateStore
 from .config import RunConfig, build_options, parse_rounds
+from .config.auto import auto_line
 from .data import build_dataset
 from .errors import ConfigError, NonFiniteLossError
 from .evaluation import Evaluation
@@ -41,6 +42,17 @@ EXIT_PREEMPTED = 75
 class Preempted(Exception):
     def __init__(self, round_done: int):
         self.round_done = round_done
+
+
+class StopNow(KeyboardInterrupt):
+    """A second SIGTERM / SIGUSR1 while the first one's stop is pending: the run stops at once, as
+    Ctrl-C does (the launcher's KeyboardInterrupt path, exit 130), instead of finishing a round that
+    may take minutes. Checkpoints are written to a new folder that LATEST names only once complete,
+    so the last complete checkpoint is what a --resume continues from."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum} received twice")
+        self.signum = signum
 
 
 def sample_clients(seed: int, round_index: int, num_clients: int, k: int) -> List[int]:
@@ -410,7 +422,12 @@ class Engine(Evaluation, RunLog, Resume):
 
     # ------------------------------------------------------------------ main loop
     def _on_signal(self, signum, frame):
+        if self._stop_signal is not None:
+            raise StopNow(signum)  # asked again: do not wait for the round to end
         self._stop_signal = signum
+        if self.is_main:  # os.write: safe however the main thread was interrupted
+            os.write(2, f"fedhpc: {signal.Signals(signum).name}: stopping after this round with a checkpoint; "
+                        f"send it again to stop at once (the last complete checkpoint is kept)\n".encode())
 
     def run(self) -> Dict[str, float]:
         cfg = self.cfg
@@ -430,6 +447,9 @@ class Engine(Evaluation, RunLog, Resume):
                 print(f"fedhpc: {cfg.algo} on {cfg.dataset} ({self.data.num_clients} clients, "
                       f"{cfg.clients_per_round} per round), model {self.model_name} "
                       f"({self.flat.num_params} parameters), {self.world.describe()}", flush=True)
+                said = auto_line(cfg, self.model_name, self.data)  # what auto and defaults resolved to
+                if said:
+                    print(said, flush=True)
                 if self.channel_active:
                     print(f"channel: {self.channel.describe()}", flush=True)
             for t in range(self.start_round, self.stop_round):

@@ -81,7 +81,7 @@ def ref_fedalign(eng):
     return sgd_rounds(eng, 1, grad)
 
 
-ref_fedalign.argv = TINY + ["--model-opt", "norm=batch", "--mu", "2.0", "--power-iters", "300"]
+ref_fedalign.argv = TINY + ["--model-opt", "norm=batch", "--mu", "2.0", "--power-iters", "300", "--no-lip-rescale"]
 ref_fedalign.standard_argv = ["--momentum", "0.5", "--student-input", "sliced", "--lip-rescale"]
 ref_fedalign.standard_models = MODELS
 

@@ -45,15 +45,23 @@ def _commit(name):
     return open(own if os.path.exists(own) else os.path.join(HERE, "COMMIT")).read().strip()[:10]
 
 
-#: what make.sh adds to every case
-COMMON = ["--rounds", "4", "--checkpoint-every", "2", "--threads", "1", "--no-tensorboard", "--quiet"]
+#: what make.sh adds to every case, and the lr and local epochs the old runs had from RunConfig, which
+#: digits' own defaults replaced since (their identity records both: a resume without them is refused)
+COMMON = ["--rounds", "4", "--checkpoint-every", "2", "--threads", "1", "--no-tensorboard", "--quiet",
+          "--lr", "0.05", "--local-epochs", "1"]
 #: what today's resume must be told that the old run did not write down
 TODAY = {"pmixfed": ["--first-layer-index", "0"],  # the only numbering before the option existed
          "pmixfed_dynamic": ["--first-layer-index", "0"],
          # the seeds' label schedule before 'balanced' became the default (a resume without the
          # flag keeps it too: --seed-pairing auto); today's uninterrupted run must use it as well
-         "mixfld": ["--seed-pairing", "shared"],
-         "mix2fld": ["--seed-pairing", "shared"]}
+         "mixfld": ["--seed-pairing", "shared", "--server-steps", "3200"],
+         "mix2fld": ["--seed-pairing", "shared", "--server-steps", "3200"],
+         # the paper's K_s, FLD's default before a run that leaves it unset got one scaled to its seeds
+         # (the identity names the value: a resume without the flag is refused, 3200 vs the scaled one)
+         "fld": ["--server-steps", "3200"],
+         # Eq. 5 as printed, the default before the launcher wrote the authors' rescaling into a run's
+         # settings (the identity reads the fixture's unnamed option as that: a resume without it is refused)
+         "fedalign": ["--no-lip-rescale"]}
 
 
 def _argv(name):

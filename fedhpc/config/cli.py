@@ -12,13 +12,17 @@ from dataclasses import fields
 from typing import Any, Callable, Dict, List, Optional, Type, get_type_hints
 
 from ..errors import ConfigError
+from .auto import apply_auto
 from .layers import (algorithm_of_file, channel_options_for_no_channel, options_for_replaced_algorithm,
                      reference_for_flags, unknown_flags_message, unknown_settings_message)
 from .run import RunConfig
 from .values import build_options, coerce_value, flag_for, load_yaml, parse_key_values
 
 
-def _add_dataclass_flags(group, cls: Type, skip=()) -> List[str]:
+def _add_dataclass_flags(group, cls: Type, skip=(), per_dataset: Optional[Dict[str, str]] = None) -> List[str]:
+    """Add a flag per simple field of ``cls``; the help ends with the default: a field whose
+    metadata says ``auto`` is resolved per run (fedhpc.config.auto) and says how, and
+    ``per_dataset`` (field -> "digits: 0.1") names the datasets that set a field of their own."""
     hints = get_type_hints(cls)
     added = []
     for f in fields(cls):
@@ -29,15 +33,33 @@ def _add_dataclass_flags(group, cls: Type, skip=()) -> List[str]:
             continue
         helptext = f.metadata.get("help", "") if f.metadata else ""
         default = f.default if f.default is not dataclasses.MISSING else None
+        said = f"default: {default}"
+        if f.metadata and f.metadata.get("auto"):
+            said = f"default: {f.metadata['auto']}; {default} where options are built without the launcher"
+        if per_dataset and f.name in per_dataset:
+            said += f"; {per_dataset[f.name]}"
+        said = said.replace("%", "%%")  # argparse formats help with %
         if typ is bool:
             group.add_argument(flag_for(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=f"{helptext} (default: {default})")
+                               default=argparse.SUPPRESS, help=f"{helptext} ({said})")
         else:
             group.add_argument(flag_for(f.name), dest=f.name, type=_typed(typ, flag_for(f.name), default),
                                default=argparse.SUPPRESS,
-                               metavar=typ.__name__.upper(), help=f"{helptext} (default: {default})")
+                               metavar=typ.__name__.upper(), help=f"{helptext} ({said})")
         added.append(f.name)
     return added
+
+
+def _dataset_settings_help() -> Dict[str, str]:
+    """RunConfig field -> the datasets that set their own value of it ("digits: 0.1"), for --help."""
+    from ..data import DATASETS, load_dataset_modules
+
+    load_dataset_modules()
+    out: Dict[str, List[str]] = {}
+    for name in DATASETS.names():
+        for key, value in DATASETS.get(name).settings.items():
+            out.setdefault(key, []).append(f"{name}: {value}")
+    return {k: "on " + ", ".join(v) + " unless set" for k, v in out.items()}
 
 
 def _catalogue() -> str:
@@ -147,7 +169,7 @@ def _parser(algo_cls, algo_name: str):
     )
     parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--config", help="YAML file of settings (flags override it)")
-    _add_dataclass_flags(parser.add_argument_group("run"), RunConfig)
+    _add_dataclass_flags(parser.add_argument_group("run"), RunConfig, per_dataset=_dataset_settings_help())
     parser.add_argument("--no-out", action="store_true", default=argparse.SUPPRESS,
                         help="write nothing (the same as --out none); without --out a run writes to "
                              "runs/<algo>_<dataset>_<time>")
@@ -249,13 +271,16 @@ def resolve(file_values: Dict[str, Any], where: Optional[str], given: Dict[str, 
                            if hints[k] in (int, float, str, bool) else v) for k, v in values.items()})
     if default_out is not None and "out" not in values and not cfg.resume:
         cfg.out = default_out(cfg)  # --resume names the run it continues: never a new folder
+    if cfg.model.strip().lower() == "auto":
+        cfg.model = "auto"
+    # what the run leaves to auto or to defaults, as its dataset and method resolve it (written
+    # into cfg, so config.yaml and the checkpoint's identity hold the values that run)
+    cfg.auto_resolved = tuple(apply_auto(cfg, algo_cls, data_spec, values))
     cfg.validate()
     # What can be refused without the data is refused here, before a dataset is loaded (a sweep
     # validates its points through this function); what needs the labels is checked when built.
     check_partition(cfg.partition)
-    if cfg.model.strip().lower() == "auto":
-        cfg.model = "auto"
-    else:
+    if cfg.model != "auto":
         MODELS.get(cfg.model)
         cfg.model = MODELS.canonical(cfg.model)
         check_model_options(cfg.model, cfg.model_options)

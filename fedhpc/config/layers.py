@@ -171,11 +171,36 @@ def identity_changes(layer: Dict[str, Any], final: Dict[str, Any]) -> List[str]:
             if k == "model" and isinstance(v, str) and v.strip().lower() == "auto":
                 v = "auto"
             out[k] = v
-        return canonical_identity(json.loads(json.dumps(out, default=str)))
+        return canonical_identity(json.loads(json.dumps(_as_auto_resolves(out, values), default=str)))
 
     then, now = read(layer), read(final)
     changed = [k for k in names if k != "seed" and then[k] != now[k]]
     return [k for k in changed if OPTION_OWNERS.get(k) not in changed and not (k in extra and "algo" in changed)]
+
+
+def _as_auto_resolves(out: Dict[str, Any], values: Dict[str, Any]) -> Dict[str, Any]:
+    """``out`` (identity settings read from a layer of settings ``values``) with what the launcher
+    resolves for the settings the layer leaves unset (:func:`fedhpc.config.auto.apply_auto`: digits'
+    lr, a method's model or K_s), so that a layer and the run it becomes are compared on the values
+    both run with: a file that sets no lr means digits' lr on both sides. Read as written when the
+    layer's algorithm or dataset is not one the registries know (the launcher refuses it)."""
+    from ..data import DATASETS
+    from ..registry import ALGORITHMS
+    from .auto import apply_auto
+
+    algo, dataset = out.get("algo"), out.get("dataset")
+    if not (isinstance(algo, str) and algo in ALGORITHMS and isinstance(dataset, str) and dataset in DATASETS):
+        return out
+    cfg = RunConfig()
+    for k, v in out.items():
+        if isinstance(v, dict):  # option mappings: apply_auto replaces, never edits, but keep them apart
+            v = dict(v)
+        setattr(cfg, k, v)
+    try:
+        apply_auto(cfg, ALGORITHMS.get(algo), DATASETS.get(dataset), values)
+    except (ConfigError, TypeError, ValueError, AttributeError):  # a value the launcher refuses: as written
+        return out
+    return {k: getattr(cfg, k) for k in out}
 
 
 def _reference_row(reference: Dict[str, Any]) -> str:

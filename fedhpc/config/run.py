@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 
@@ -34,7 +34,7 @@ class RunConfig:
     algo: str = field(default="fedavg", metadata={"help": "federated algorithm (see list below)"})
     dataset: str = field(default="digits", metadata={"help": "dataset (see list below)"})
     data_dir: str = field(default="", metadata={"help": "folder holding the real datasets in their published formats"})
-    model: str = field(default="auto", metadata={"help": "model name; 'auto' takes the dataset's default"})
+    model: str = field(default="auto", metadata={"help": "model name; 'auto' takes the dataset's default, or the dataset's residual network for the methods that need one (the FedAlign family: resnet_digits on digits and mnist5k); the run's first lines say which"})
     partition: str = field(default="auto", metadata={"help": "auto (natural for naturally federated data, else iid) | iid | dirichlet:ALPHA | dirichlet_capped:ALPHA[:MIN] | classes:K (random draw) | classes_cyclic:K | skewed:M:A:B | natural | mix2fld"})
     num_clients: int = field(default=20, metadata={"help": "number of simulated clients N"})
     clients_per_round: int = field(default=10, metadata={"help": "clients sampled per round K (1 <= K <= N)"})
@@ -81,6 +81,11 @@ class RunConfig:
 
     # The --channel values (fedhpc/server/channel.py's Channel.MODES): "none" simulates no links.
     CHANNELS = ("none", "symmetric", "asymmetric")
+
+    #: what the launcher resolved for this run beyond what its file and flags say, one phrase each
+    #: (fedhpc.config.auto: the dataset's lr, a method's model, server set or server steps); not a
+    #: setting: the values themselves are in the fields, and the engine says these at the start
+    auto_resolved: ClassVar[Tuple[str, ...]] = ()
 
     # Fields that define *what* is computed: a checkpoint may only be resumed under the
     # same values. The others (rounds, cadence, threads, device, out...) may change.

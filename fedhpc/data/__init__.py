@@ -17,8 +17,8 @@ which makes the partition carve the server's set out of the pool first.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, Tuple, Type
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 from ..errors import ConfigError
 from ..registry import Registry
@@ -34,6 +34,17 @@ class DatasetSpec:
     help: str = ""
     #: the dataset's own options class (what the builder receives), or None
     own_options: Optional[Type] = None
+    #: run settings (RunConfig fields) a run on this dataset takes when neither its file nor its
+    #: flags set them, in place of RunConfig's defaults (digits: a larger lr); applied and said at
+    #: the start of the run by :mod:`fedhpc.config.auto`
+    settings: Dict[str, Any] = field(default_factory=dict)
+    #: the models ``--model auto`` means on this dataset: ``"default"`` (what a method without
+    #: needs of its own gets; the builder's ``default_model``) and, per kind of network a method
+    #: may need (``Algorithm.auto_model_kind``: ``"residual"`` for the FedAlign family), the one to
+    #: take instead; a kind the dataset does not name leaves the default, which the method refuses
+    models: Dict[str, str] = field(default_factory=dict)
+    #: what ``--partition auto`` deals on this dataset, as the start of a run says it ('' = not declared)
+    auto_partition: str = ""
 
 
 def with_server_options(cls: Optional[Type]) -> Type:
@@ -70,9 +81,13 @@ def split_server_options(spec: DatasetSpec, options: Any) -> Tuple[Any, Optional
 DATASETS: Registry[DatasetSpec] = Registry("dataset")
 
 
-def register_dataset(name: str, options: Optional[Type] = None, help: str = ""):
+def register_dataset(name: str, options: Optional[Type] = None, help: str = "", *,
+                     settings: Optional[Dict[str, Any]] = None, models: Optional[Dict[str, str]] = None,
+                     auto_partition: str = ""):
+    """Register a dataset builder; ``settings``, ``models``, ``auto_partition``: see :class:`DatasetSpec`."""
     def deco(fn):
-        DATASETS.register(name)(DatasetSpec(fn, with_server_options(options), help, options))
+        DATASETS.register(name)(DatasetSpec(fn, with_server_options(options), help, options, dict(settings or {}),
+                                            dict(models or {}), auto_partition))
         return fn
 
     return deco

@@ -27,6 +27,10 @@ from .mixfld import MixFLD
 class Mix2FLD(MixFLD):
     """FLD with two-way mixup: mixed seeds up, inversely mixed hard-labelled samples on the server."""
 
+    @classmethod
+    def server_set_size(cls, options, devices: int) -> int:
+        return options.inverse_per_device * devices  # N_I per device (auto K_s: fedhpc.config.auto)
+
     def server_samples(self, collected: SeedSet) -> SeedSet:
         o = self.options
         # N_I per device whose seeds reached the server: every training device with --seed-delivery always

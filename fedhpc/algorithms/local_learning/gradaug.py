@@ -62,6 +62,7 @@ class GradAug(LocalRegAlgorithm):
     """FedAvg whose clients distil the full network into random slimmed, resized sub-networks."""
 
     Options = GradAugOptions
+    auto_model_kind = "residual"
 
     def setup(self):
         super().setup()

@@ -70,6 +70,9 @@ class Moon(LocalRegAlgorithm):
     """FedAvg plus MOON's model-contrastive term; each client's previous model in the store."""
 
     Options = MoonOptions
+    auto_model_kind = "residual"
+    #: the FedAlign study's "two-layer projection layer" (MOON's l2 to 256) under --model auto
+    auto_model_options = {"projection_dim": 256}
     uses_client_state = True
 
     def setup(self):

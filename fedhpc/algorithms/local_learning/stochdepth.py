@@ -40,6 +40,7 @@ class StochDepth(LocalRegAlgorithm):
     """FedAvg training a ResNet whose residual blocks are dropped at random."""
 
     Options = StochDepthOptions
+    auto_model_kind = "residual"
 
     def setup(self):
         super().setup()
