@@ -242,8 +242,13 @@ def test_one_shot_algorithms_need_the_server_set():
     from fedhpc.engine import Engine
     from fedhpc.world import World
 
+    # a bare run gets the digits twin's base set (fedhpc.config.auto); one that sets the base set
+    # to nothing is refused, by the option's name
     cfg, ao, do = parse_args(["--algo", "xormixfl", *DIGITS, "--clients-per-round", "2", "--quiet",
                               "--no-tensorboard", "--threads", "1"])
+    assert do.server_per_label > 0
+    cfg, ao, do = parse_args(["--algo", "xormixfl", *DIGITS, "--clients-per-round", "2", "--quiet",
+                              "--no-tensorboard", "--threads", "1", "--data-opt", "server_per_label=0"])
     with pytest.raises(ConfigError, match="server_per_label"):
         Engine(cfg, ao, do, World(threads=1))
 
