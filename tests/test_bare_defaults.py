@@ -61,9 +61,9 @@ def test_a_bare_fedavg_run_learns_within_a_few_rounds():
     assert r.final["test_accuracy"] > 0.5, r.final
 
 
-@pytest.mark.parametrize("algo", ["stochdepth", "xormixfl", "mix2fld"])
+@pytest.mark.parametrize("algo", ["fedalign", "stochdepth", "xormixfl", "mix2fld"])
 def test_bare_runs_on_mnist5k(algo):
-    """mnist5k (28x28): the FedAlign family's resnet_digits, the one-shot server set and Mix2FLD's
+    """mnist5k (28x28): the FedAlign family's resnet_mnist, the one-shot server set and Mix2FLD's
     scaled K_s there too (one round; the one-shot server's epochs cut as above)."""
     r = fedhpc.run(algo=algo, dataset="mnist5k", rounds=1, threads=1, quiet=True, tensorboard=False,
                    **QUICK.get(algo, {}))
@@ -103,7 +103,7 @@ def test_what_a_bare_run_resolves_to_on_digits():
     cfg, _, _ = bare("fedavg", "--dataset", "mnist5k")
     assert (cfg.lr, cfg.local_epochs, cfg.auto_resolved) == (0.05, 1, ())
     cfg, _, _ = bare("stochdepth", "--dataset", "mnist5k")
-    assert cfg.model == "resnet_digits"
+    assert cfg.model == "resnet_mnist"
 
 
 def test_server_steps_are_scaled_to_the_server_set_and_launch_files_keep_the_papers():

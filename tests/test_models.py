@@ -108,6 +108,20 @@ def test_other_input_shapes(name, shape, num_classes):
     assert y.shape[0] == 2 and y.shape[-1] == num_classes
 
 
+def test_resnet_mnist_is_resnet_digits_behind_the_imagenet_stem():
+    """mnist5k's residual network: 28x28 -> 7x7 in the stem, then the digits stages (4x4, 2x2), with
+    exactly resnet_digits' weights but the stem's 7x7 kernel."""
+    torch.manual_seed(0)
+    m = build_model("resnet_mnist", (1, 28, 28), 10).eval()
+    d = build_model("resnet_digits", (1, 28, 28), 10)
+    with torch.no_grad():
+        logits, feats = m(torch.randn(2, 1, 28, 28), return_features=True)
+    assert logits.shape == (2, 10) and feats["last_block_out"].shape == (2, 32, 2, 2)
+    shapes = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    assert shapes.pop("stem.0.weight") == (8, 1, 7, 7)
+    assert shapes == {k: tuple(v.shape) for k, v in d.state_dict().items() if k != "stem.0.weight"}
+
+
 def test_resnet18_at_224():
     model = build_model("resnet18", (3, 224, 224), 200).eval()
     with torch.no_grad():

@@ -7,8 +7,8 @@ gets the dataset's and the method's own:
 
 * ``--model auto``: the dataset's default model (``DatasetSpec.models["default"]``: digits'
   ``cnn``), or, for a method that needs another kind of network (``Algorithm.auto_model_kind``:
-  the FedAlign family's ``"residual"``), the dataset's model of that kind (digits' and mnist5k's
-  ``resnet_digits``), with the options the method needs and the run did not give
+  the FedAlign family's ``"residual"``), the dataset's model of that kind (digits'
+  ``resnet_digits``, mnist5k's ``resnet_mnist``), with the options the method needs and the run did not give
   (``Algorithm.auto_model_options``: MOON's projection head);
 * run settings the dataset sets for itself (``DatasetSpec.settings``: digits' lr and epochs) where
   neither the file nor the flags set them;

@@ -8,6 +8,7 @@ registry name           paper and dataset                    default input / cla
 ``resnet56``            FedAlign, CIFAR-10/100 (resnet.py)   3x32x32 / 10 or 100
 ``resnet18``            FedAlign, ImageNet-200 (resnet.py)   3x64x64 (or 224) / 200
 ``resnet_digits``       FedAlign on digits (resnet.py)       1x8x8 / 10
+``resnet_mnist``        FedAlign on mnist5k (resnet.py)      1x28x28 / 10
 ``pmixfed_cnn``         pMixFed (Sec. 5.1), CIFAR-10/100     3x32x32 / 10 or 100
 ``pmixfed_cnn_mnist``   pMixFed (Sec. 5.1), MNIST            1x28x28 / 10
 ``mobilenet``           pMixFed (Sec. 5.1), CIFAR-10/100     3x32x32 / 10 or 100
