@@ -73,9 +73,10 @@ def _shared_gpus(views: List[dict]) -> tuple:
         for (host, _), ranks in users.items():
             if len(ranks) > 1:
                 return (f"ranks {_ranks(ranks)} share one GPU on {host}",
-                        "Give each rank its own GPU (srun --gpus-per-task=1, or a --gpu-bind / "
-                        "CUDA_VISIBLE_DEVICES that maps ranks to distinct GPUs; train several clients per "
-                        "rank at once with --clients-at-once K)")
+                        "Give each rank its own GPU: as many ranks per node as GPUs, with --gpus-per-node=G "
+                        "--ntasks-per-node=G --gpu-bind=none (slurm/run_gpu.sbatch; each rank takes the GPU "
+                        "of its local rank), or a CUDA_VISIBLE_DEVICES that maps ranks to distinct GPUs; "
+                        "train several clients per rank at once with --clients-at-once K")
         return "", ""
     for v in views:
         if v["ranks"] > v["gpus"]:

@@ -199,6 +199,23 @@ def test_sweep_gpu_array_layout(tmp_path, capsys):
     assert "must equal ranks (6)" in capsys.readouterr().err
 
 
+def test_sweep_gpus_per_node_layout(tmp_path, capsys):
+    """The recommended GPU layout: GPUs per node with every rank seeing them (--gpu-bind=none), not
+    --gpus-per-task; both at once are refused by name."""
+    grid = tmp_path / "g.yaml"
+    spec = {"out": str(tmp_path / "s"), "ranks": 8, "base": {"rounds": 2}, "axes": {"seed": [0]},
+            "slurm": {"nodes": 2, "ntasks_per_node": 4, "gpus_per_node": 4}}
+    grid.write_text(yaml.safe_dump(spec))
+    assert sweep_main([str(grid), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --gpus-per-node=4\n" in out and "#SBATCH --gpu-bind=none\n" in out
+    assert "--gpus-per-task" not in out
+    spec["slurm"]["gpus_per_task"] = 1
+    grid.write_text(yaml.safe_dump(spec))
+    assert sweep_main([str(grid), "--dry-run"]) == 2
+    assert "slurm.gpus_per_node and slurm.gpus_per_task both set" in capsys.readouterr().err
+
+
 def _sbatch_words(line):
     """The words of an #SBATCH line as sbatch reads them (src/sbatch/opt.c, _get_argument): blanks split
     outside quotes, a backslash escapes the next character, an unquoted '#' ends the line."""

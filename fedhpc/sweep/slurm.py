@@ -30,7 +30,9 @@ class SlurmOptions:
 
     nodes: int = 1
     ntasks_per_node: int = 0          # 0: ranks / nodes. On GPU nodes: GPUs per node
-    gpus_per_task: int = 0            # 1: one rank per GPU (0: CPU only)
+    gpus_per_node: int = 0            # GPUs per node, every rank seeing all of them (--gpu-bind=none):
+                                      # the recommended GPU layout (slurm/run_gpu.sbatch says why)
+    gpus_per_task: int = 0            # 1: one private GPU per rank (isolates ranks: NCCL may lose P2P)
     cpus_per_task: int = 1            # threads per rank
     time: str = "02:00:00"
     partition: str = ""
@@ -48,9 +50,12 @@ class SlurmOptions:
         for name in ("nodes", "cpus_per_task"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"slurm.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("ntasks_per_node", "gpus_per_task", "max_parallel", "signal_seconds"):
+        for name in ("ntasks_per_node", "gpus_per_node", "gpus_per_task", "max_parallel", "signal_seconds"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"slurm.{name} must be >= 0, got {getattr(self, name)}")
+        if self.gpus_per_node and self.gpus_per_task:
+            raise ConfigError("slurm.gpus_per_node and slurm.gpus_per_task both set: give one (gpus_per_node, "
+                              "the recommended layout, lets every rank of a node see its GPUs; slurm/run_gpu.sbatch)")
         for name in ("extra", "setup"):
             v = getattr(self, name)
             if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
@@ -118,6 +123,8 @@ def render_array_script(name: str, ids: List[str], ranks: int, opts: SlurmOption
         f"#SBATCH --ntasks-per-node={per_node}",
         f"#SBATCH --cpus-per-task={opts.cpus_per_task}",
     ]
+    if opts.gpus_per_node:  # every rank sees the node's GPUs and takes cuda:<local rank> (fedhpc/world.py)
+        lines += [f"#SBATCH --gpus-per-node={opts.gpus_per_node}", "#SBATCH --gpu-bind=none"]
     if opts.gpus_per_task:
         lines.append(f"#SBATCH --gpus-per-task={opts.gpus_per_task}")
     lines.append(f"#SBATCH --time={_sbatch_word(opts.time)}")
