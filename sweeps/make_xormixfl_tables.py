@@ -4,8 +4,8 @@ XorMixFL paper's Tables 2 and 3 (its numbers: benchmarks/compare_xormixfl.py, PA
 Each sweep is one zip group because the paper's number belongs to a (method, column) cell, so
 every cell is a point with its own ``reference.value``.
 
-    python sweeps/make_xormixfl_tables.py          # Table 2: 6 of its 15 columns (the committed file)
-    python sweeps/make_xormixfl_tables.py --all    # Table 2: all 15 columns
+    python sweeps/make_xormixfl_tables.py --all    # Table 2: all 15 columns (the committed file)
+    python sweeps/make_xormixfl_tables.py          # Table 2: 6 of them (0, 3, 9, (0,2), (4,8), (0,2,4,8))
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def write_grid(path: str, header: str, preamble: str, cells: list, minutes: int)
         f.write("\n".join(lines))
 
 
-def table2(columns) -> None:
+def table2(columns, path: str = "sweeps/xormixfl_table2_mnist5k.yaml") -> None:
     cells = []
     for algo in PAPER_ORDER:
         encodes = algo in ("xormixfl", "mixfl")
@@ -53,14 +53,16 @@ def table2(columns) -> None:
                           "reference.row": f"{NAMES[algo]}, target label(s) {column.replace(',', ', ')}",
                           "reference.value": PAPER_T2[column][PAPER_ORDER.index(algo)]})
     n = len(cells) * 3
-    write_grid("sweeps/xormixfl_table2_mnist5k.yaml", f"""\
+    which = ("the table's 15 target-label\n# columns (0..9, (0,2), (0,8), (2,4), (4,8), (0,2,4,8))"
+             if list(columns) == COLUMNS else
+             f"{len(columns)} of the table's 15 target-label columns ({', '.join('(' + c + ')' for c in columns)})")
+    write_grid(path, f"""\
 # XorMixFL paper (003) Table 2 on the embedded real MNIST (launch/xormixfl_mnist5k.yaml says what is
 # scaled: server base set 100 a label / 5 of a target label, devices 2 vs 27, 15 server epochs):
-# XorMixFL, MixFL, vanilla FL and standalone x {len(columns)} of the table's 15 target-label columns
-# ({', '.join('(' + c + ')' for c in columns)}) x 3 seeds = {n} one-round runs of about 30 s, ~{n // 2} min
-# on one core (--local runs one point at a time). Written by sweeps/make_xormixfl_tables.py
-# (--all: every column) from the paper's table; Fig. 3's target-label accuracies are in each run's
-# per-label accuracy (per_label_accuracy: true).
+# XorMixFL, MixFL, vanilla FL and standalone x {which}
+# x 3 seeds = {n} one-round runs of about 30 s, ~{n // 2} min on one core (--local runs one point at
+# a time). Written by sweeps/make_xormixfl_tables.py (--all: every column) from the paper's table;
+# Fig. 3's target-label accuracies are in each run's per-label accuracy (per_label_accuracy: true).
 #   python -m fedhpc.sweep sweeps/xormixfl_table2_mnist5k.yaml --local
 #   python -m fedhpc.report runs/sweeps/xormixfl_table2_mnist5k
 """, "name: xormixfl_table2_mnist5k", cells, 20)
