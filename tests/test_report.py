@@ -471,6 +471,10 @@ def test_best_local_accuracy_skips_the_rounds_that_evaluated_a_sample_of_clients
     best = best_stats(group, names)
     assert best["test_accuracy"].values == [0.7]  # the global test set: every round counts
     assert best["local_test_accuracy"].values == [0.8]
+    # the clients' mean accuracy too: a paper row at its best round (pMixFed's FedAlt / FedSim) has
+    # a number to stand beside
+    assert best["local_test_accuracy_mean"].values == [0.81]
+    assert "local_test_accuracy_std" not in best  # a spread is no accuracy
 
 
 def test_plots_mark_sampled_local_rounds_hollow_and_draw_the_reference_device_against_time(tmp_path, monkeypatch):

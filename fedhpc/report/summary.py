@@ -2,7 +2,8 @@
 
 Conventions (the papers differ; these are the readings chosen):
   * final = the metric at the run's last evaluated round (= the configured last round);
-    best = the highest value over the evaluated rounds (accuracies only; ``best`` picks a
+    best = the highest value over the evaluated rounds (accuracies and the clients' mean
+    accuracy only; ``best`` picks a
     round with the test set, as the papers that report it do); the clients' local accuracies
     only over rounds that evaluated every client, not a --local-eval-clients sample (a maximum
     over noisy samples is biased up);
@@ -118,7 +119,9 @@ def is_sampled(metric: str, rec: dict) -> bool:
 def best_stats(group: Group, names: List[str]) -> Dict[str, Stat]:
     out = {}
     for m in names:
-        if not m.endswith("accuracy"):  # not their spreads (local_test_accuracy_std) or tails
+        # accuracies and the clients' mean of theirs (pMixFed's metric, whose FedAlt / FedSim rows
+        # the paper gives at their best round), not their spreads (local_test_accuracy_std) or tails
+        if not m.endswith(("accuracy", "accuracy_mean")):
             continue
         vals = []
         for r in group.runs:
