@@ -34,7 +34,7 @@ class RunConfig:
     algo: str = field(default="fedavg", metadata={"help": "federated algorithm (see list below)"})
     dataset: str = field(default="digits", metadata={"help": "dataset (see list below)"})
     data_dir: str = field(default="", metadata={"help": "folder holding the real datasets in their published formats"})
-    model: str = field(default="auto", metadata={"help": "model name; 'auto' takes the dataset's default, or the dataset's residual network for the methods that need one (the FedAlign family: resnet_digits on digits and mnist5k); the run's first lines say which"})
+    model: str = field(default="auto", metadata={"help": "model name; 'auto' takes the dataset's default, or the dataset's residual network for the methods that need one (the FedAlign family: resnet_digits on digits, resnet_mnist on mnist5k); the run's first lines say which"})
     partition: str = field(default="auto", metadata={"help": "auto (natural for naturally federated data, else iid) | iid | dirichlet:ALPHA | dirichlet_capped:ALPHA[:MIN] | classes:K (random draw) | classes_cyclic:K | skewed:M:A:B | natural | mix2fld"})
     num_clients: int = field(default=20, metadata={"help": "number of simulated clients N"})
     clients_per_round: int = field(default=10, metadata={"help": "clients sampled per round K (1 <= K <= N)"})

@@ -44,7 +44,7 @@ class LocalRegAlgorithm(Algorithm):
     Options = LocalRegOptions
     #: the kind of network ``--model auto`` must give this method (:mod:`fedhpc.config.auto`):
     #: ``"residual"`` (FedAlign, MOON, StochDepth, GradAug need :class:`fedhpc.models.resnet.ResNet`'s
-    #: hooks) takes the dataset's residual model (digits, mnist5k: ``resnet_digits``) where its
+    #: hooks) takes the dataset's residual model (digits: ``resnet_digits``, mnist5k: ``resnet_mnist``) where its
     #: default has none; '' (Mixup) keeps the dataset's default
     auto_model_kind = ""
     #: model options ``--model auto`` adds to that network where the run gives none (MOON's head)
