@@ -21,7 +21,7 @@ devices) on which the sum is exact, and G_out has the same bits for any number o
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,58 @@ class LabelOutputs:
         """(F_bar: N_L x N_L per-label averages, zero rows for unseen labels; presence 0/1)."""
         present = (self.counts > 0).to(self.sums.dtype)
         return self.sums / self.counts.clamp_min(1).unsqueeze(1), present
+
+
+class GroupLabelOutputs:
+    """The running sums of K devices trained at once (``--clients-at-once``, fedhpc.batched).
+
+    Each device keeps its own :class:`LabelOutputs` (its upload reads it as the sequential path's
+    does), but their sums become views of one (K, N_L, N_L) tensor, so that a batched step adds
+    all K devices' outputs with one ``index_add_`` instead of K small ones (a host round trip
+    each on a GPU). Padding rows are added as zeros (a probability times 0: exactly +0), so each
+    device's sums take the same values in the same order as its sequential steps add them.
+    """
+
+    def __init__(self, outputs: Sequence[LabelOutputs]):
+        self.outputs: List[LabelOutputs] = list(outputs)
+        self.num_classes = self.outputs[0].num_classes
+        self.sums = torch.stack([o.sums for o in self.outputs])
+        self.counts = torch.stack([o.counts for o in self.outputs])
+        for o, sums, counts in zip(self.outputs, self.sums, self.counts):
+            o.sums, o.counts = sums, counts
+        k, c = len(self.outputs), self.num_classes
+        self.row_base = (torch.arange(k, device=self.sums.device) * c)[:, None]  # device k's rows start at k * N_L
+
+    @torch.no_grad()
+    def add(self, logits: torch.Tensor, y: torch.Tensor, real: torch.Tensor) -> None:
+        """Eq. 2 for every device of a step: logits (K, B, N_L), labels (K, B), ``real`` (K, B)
+        True on each device's real rows, False on padding."""
+        c = self.num_classes
+        keep = real.to(self.sums.dtype)
+        probs = F.softmax(logits.detach(), dim=-1).to(self.sums.dtype) * keep[..., None]
+        index = (y + self.row_base).reshape(-1)
+        self.sums.view(-1, c).index_add_(0, index, probs.reshape(-1, c))
+        self.counts.view(-1).index_add_(0, index, keep.reshape(-1))
+
+
+def group_distillation_loss(logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                            teachers: Sequence[Optional[Tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+    """:func:`distillation_loss` of K devices at once (K,): device k's outputs (B, N_L) against
+    its own teacher ``teachers[k]`` (a (G_out, mask) pair, or None: no term), each the mean over
+    its real rows (``weight`` 1/n_real on them, 0 on padding; the sequential batch mean)."""
+    k, c = logits.shape[0], logits.shape[-1]
+    first = next((t for t in teachers if t is not None), None)
+    if first is None:
+        return logits.new_zeros(k)
+    if all(t is first for t in teachers):  # one broadcast table for the whole group: no (K, N_L, N_L) copy
+        rows, mask = first[0][y], first[1][y]
+    else:
+        tables = torch.stack([t[0] if t is not None else torch.zeros_like(first[0]) for t in teachers])
+        masks = torch.stack([t[1] if t is not None else torch.zeros_like(first[1]) for t in teachers])
+        device = torch.arange(k, device=y.device)[:, None]
+        rows, mask = tables[device, y], masks[device, y]
+    per_row = -(rows.to(logits.dtype) * F.log_softmax(logits, -1)).sum(-1) * mask.to(logits.dtype)
+    return (per_row * weight).sum(1)
 
 
 def upload_spec(num_classes: int, kind: str = "outputs") -> Dict[str, Upload]:

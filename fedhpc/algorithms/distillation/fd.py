@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...batched import weighted_task_loss
 from ...errors import ConfigError
 from ...exchanges import label_outputs
 from .. import register_algorithm
@@ -82,6 +83,17 @@ def teacher_rows(table, mask, y):
     return table[y], mask[y]
 
 
+def group_outputs(ctxs) -> label_outputs.GroupLabelOutputs:
+    """Eq. 2's running sums of the devices of one batched group (``--clients-at-once``) as one
+    stacked table, made at the group's first step and kept in the devices' contexts."""
+    stack = ctxs[0].extra.get("group_outputs")
+    if stack is None:
+        stack = label_outputs.GroupLabelOutputs([ctx.extra["outputs"] for ctx in ctxs])
+        for ctx in ctxs:
+            ctx.extra["group_outputs"] = stack
+    return stack
+
+
 @register_algorithm("fd")
 class FD(Algorithm):
     """Federated distillation: devices upload per-label average outputs, never weights."""
@@ -90,6 +102,8 @@ class FD(Algorithm):
     ledger_kinds = ("outputs",)
     uses_client_state = True
     has_global_model = False
+    #: --clients-at-once: each device's own model (its download loads it) and teacher table, Eq. 3
+    batchable = True
 
     def setup(self):
         self.options = self.options or FDOptions()
@@ -118,6 +132,17 @@ class FD(Algorithm):
         if teacher is not None and self.options.beta > 0:
             rows, mask = teacher_rows(*teacher, y)
             loss = loss + self.options.beta * label_outputs.distillation_loss(logits, rows, mask)
+        return loss
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K devices at once (fedhpc.batched): each device's rows through its own model,
+        its own Eq. 2 sums and its own teacher (a device that missed a broadcast keeps its table)."""
+        logits = group.forward(x)
+        group_outputs(group.ctxs).add(logits, y, weight > 0)
+        loss = weighted_task_loss(logits, y, weight)
+        if self.options.beta > 0:
+            teachers = [ctx.extra["teacher"] for ctx in group.ctxs]
+            loss = loss + self.options.beta * label_outputs.group_distillation_loss(logits, y, weight, teachers)
         return loss
 
     def upload(self, model, ctx):

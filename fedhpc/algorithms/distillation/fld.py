@@ -83,13 +83,14 @@ import torch
 import torch.nn.functional as F
 
 from ...analysis.privacy import audit_raw_leaves, sample_privacy
+from ...batched import weighted_task_loss
 from ...errors import CheckpointError, ConfigError
 from ...exchanges import label_outputs
 from ...exchanges.seed_samples import SeedSampleOptions, SeedSet, collect_seeds, raw_seeds
 from ...server.trainer import ServerTrainConfig, ServerTrainer
 from .. import register_algorithm
 from ..base import Algorithm, Upload, derive_seed, task_loss
-from .fd import label_relative_change
+from .fd import group_outputs, label_relative_change
 
 SEED_DELIVERIES = ("always", "channel")
 #: --server-init: where the output-to-model conversion starts each round
@@ -156,6 +157,8 @@ class FLD(Algorithm):
 
     Options = FLDOptions
     ledger_kinds = ("parameters", "outputs", "seeds")
+    #: --clients-at-once: the devices' training (Eq. 1 + Eq. 2) batched; the server's conversion is its own
+    batchable = True
     #: the privacy audit's verdict is expected to flag raw seeds (FLD) and pass mixtures
     seed_kind = "raw"
     #: K_s of a run that does not set --server-steps (fedhpc.config.auto): this many passes over the
@@ -308,6 +311,13 @@ class FLD(Algorithm):
         logits = model(x)
         ctx.extra["outputs"].add(logits, y)  # Eq. 2, while training on Eq. 1
         return task_loss(logits, y)
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K devices at once (fedhpc.batched): Eq. 1 on each device's rows, each adding
+        its own Eq. 2 sums."""
+        logits = group.forward(x)
+        group_outputs(group.ctxs).add(logits, y, weight > 0)
+        return weighted_task_loss(logits, y, weight)
 
     def upload(self, model, ctx):
         if ctx.round.index == 0:
