@@ -39,7 +39,8 @@ Equal to the sequential path (within float rounding), client by client:
 Who is batched: an algorithm opts in with the class attribute ``batchable = True`` and a
 hook ``batched_loss(group, x, y, weight) -> (K,)`` (see :class:`ClientGroup`); the
 sequential ``loss`` stays the reference. Today: FedAvg, FedProx, NaiveMix, FedMix, LocalMix,
-Mixup, and the personalised FedPer, LG-FedAvg, FedSim and pMixFed (-Dynamic), whose
+Mixup, MOON, FedAlign (StochDepth and GradAug are refused, saying why), and the personalised
+FedPer, LG-FedAvg, FedSim and pMixFed (-Dynamic), whose
 ``download`` builds the model a client trains (personal layers, pMixFed's mix) before the
 batched steps start, as it does before the sequential ones. A subclass that overrides ``loss``,
 ``local_update``, ``make_optimizer`` or ``mix_loss`` without declaring ``batchable`` itself is
@@ -162,8 +163,9 @@ def check_batchable(algo: "Algorithm", model: nn.Module, cfg) -> None:
     cls = type(algo)
     fix = "run with --clients-at-once 1 (the sequential path)"
     if not getattr(cls, "batchable", False) or not hasattr(cls, "batched_loss"):
+        why = getattr(cls, "not_batchable_because", None)  # a method that says why it stays sequential
         raise ConfigError(f"--algo {cfg.algo} does not support --clients-at-once > 1 (its local update is "
-                          f"not declared batchable); {fix}")
+                          f"not declared batchable{': ' + why if why else ''}); {fix}")
     opt_in = _owner(cls, "batchable")
     for hook in LOCAL_UPDATE_HOOKS:
         owner = _owner(cls, hook)
@@ -445,7 +447,7 @@ def grouped_forward(model: nn.Module, params: Dict[str, torch.Tensor],
     stochastic = [m for m in model.modules() if isinstance(m, (nn.modules.dropout._DropoutNd,
                                                                nn.modules.batchnorm._BatchNorm))]
 
-    def forward(x: torch.Tensor, real: Optional[List[int]] = None) -> torch.Tensor:
+    def forward(x: torch.Tensor, real: Optional[List[int]] = None, **model_kwargs):
         k, b = x.shape[0], x.shape[1]
         rows = step
         if real is not None:  # this call's own rows (the step's stay as they are for its other calls)
@@ -459,13 +461,25 @@ def grouped_forward(model: nn.Module, params: Dict[str, torch.Tensor],
             for slot, n, stacked in slots:
                 slot[n] = stacked  # a plain tensor in the slot: nn.Module reads it as is
             with _GroupedKernels(k, rows):
-                out = model(x.reshape((k * b,) + tuple(x.shape[2:])))
+                out = model(x.reshape((k * b,) + tuple(x.shape[2:])), **model_kwargs)
         finally:
             for slot, n, original in saved:
                 slot[n] = original
-        return out.reshape((k, b) + tuple(out.shape[1:]))
+        return _unfold(out, k, b)
 
     return forward
+
+
+def _unfold(out, k: int, b: int):
+    """A folded forward's output back to per-client rows: every tensor (K*B, ...) -> (K, B, ...), through
+    the tuples and dicts a model returns (``model(x, return_features=True)``: logits and a feature dict)."""
+    if isinstance(out, torch.Tensor):
+        return out.reshape((k, b) + tuple(out.shape[1:]))
+    if isinstance(out, dict):
+        return {name: _unfold(v, k, b) for name, v in out.items()}
+    if isinstance(out, (tuple, list)):
+        return type(out)(_unfold(v, k, b) for v in out)
+    return out
 
 
 #: per model: whether the grouped kernels reproduced vmap on a real batch (checked once)

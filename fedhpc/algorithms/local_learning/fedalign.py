@@ -36,16 +36,24 @@ Readings chosen where the paper is open (the authors' code settles the first two
   ``--no-lip-rescale`` (lip_rescale: checkpoint False vs now True), not continued under
   the other loss; options built by hand, without the launcher, keep the printed form;
 * ``power_iters=10``: the authors' iteration count (the paper gives none).
+
+Batched clients (``--clients-at-once``, :mod:`fedhpc.batched`): the full network's forward for
+the K clients at once (grouped kernels), then the slimmed Block L per client on its own real
+rows with its own weights (``client_weights``; the width is fixed, nothing is drawn), so its
+BatchNorm statistics are the sequential batch's; each client's L_Lip is the mean over its rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from ...batched import weighted_task_loss
 from ...errors import ConfigError
 from .. import register_algorithm
 from ..base import task_loss
-from .local_reg import (LocalRegAlgorithm, LocalRegOptions, lipschitz_loss, require_resnet,
+from .local_reg import (LocalRegAlgorithm, LocalRegOptions, client_weights, lipschitz_loss, require_resnet,
                         top_singular_value, transmitting_matrix)
 
 
@@ -83,24 +91,48 @@ class FedAlign(LocalRegAlgorithm):
 
     Options = FedAlignOptions
     auto_model_kind = "residual"
+    #: batched_loss is ``loss`` for K clients (fedhpc.batched)
+    batchable = True
 
     def setup(self):
         super().setup()
         require_resnet(self, "run_last_block")
 
     def loss(self, model, x, y, ctx):
-        o = self.options
         logits, feats = model(x, return_features=True)
         ce = task_loss(logits, y)
-        f_in = feats["last_block_in"].detach()
+        return self.regularised(ce, self.lipschitz_term(model, feats["last_block_in"], feats["last_block_out"]))
+
+    def lipschitz_term(self, model, f_in, f_out):
+        """L_Lip on one client's batch, from the full network's f_{L-1} and f_L (detached here)."""
+        o = self.options
+        f_in = f_in.detach()
         sliced_in, f_slim = model.run_last_block(f_in, o.width, return_input=True)
-        k_full = top_singular_value(transmitting_matrix(f_in, feats["last_block_out"].detach()), o.power_iters)
+        k_full = top_singular_value(transmitting_matrix(f_in, f_out.detach()), o.power_iters)
         x_in = f_in if o.student_input == "full" else sliced_in
         k_slim = top_singular_value(transmitting_matrix(x_in, f_slim), o.power_iters)
-        lip = lipschitz_loss(k_slim, k_full)
+        return lipschitz_loss(k_slim, k_full)
+
+    def regularised(self, ce, lip):
+        o = self.options
         if o.lip_rescale:  # held constant: a tensor ratio, so no device sync per step
             return ce + o.mu * (ce.detach() / lip.detach().clamp_min(1e-12)) * lip
         return ce + o.mu * lip
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K clients (fedhpc.batched): the full forward grouped, the slimmed Block L and
+        L_Lip per client on its real rows, under its own weights. A client masked out of the step
+        (no real rows) runs nothing and its loss is 0."""
+        logits, feats = group.forward(x, return_features=True)
+        ce = weighted_task_loss(logits, y, weight)
+        lips = []
+        for i, n in enumerate(group.real):
+            if n == 0:
+                lips.append(ce[i].detach() * 0)
+                continue
+            with client_weights(self.model, group.params, i) as model:
+                lips.append(self.lipschitz_term(model, feats["last_block_in"][i, :n], feats["last_block_out"][i, :n]))
+        return self.regularised(ce, torch.stack(lips))
 
     @classmethod
     def auto_options(cls, cfg, options: FedAlignOptions):

@@ -63,6 +63,10 @@ class GradAug(LocalRegAlgorithm):
 
     Options = GradAugOptions
     auto_model_kind = "residual"
+    #: why --clients-at-once > 1 is refused (fedhpc.batched.check_batchable)
+    not_batchable_because = (
+        "each client trains sub-networks of its own random widths on its own random input resolutions at "
+        "every step, layers of different sizes per client that the grouped kernels cannot stack")
 
     def setup(self):
         super().setup()

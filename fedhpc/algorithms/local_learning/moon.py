@@ -27,6 +27,12 @@ Readings chosen:
   running statistics, nothing of theirs updated) and without gradients;
 * aggregation weights are the sampled clients' data sizes (MOON's code indexes them
   wrongly under partial participation; the engine does not).
+
+Batched clients (``--clients-at-once``, :mod:`fedhpc.batched`): z from the grouped forward
+(``group.forward(x, return_features=True)``), z_glob and z_prev from grouped forwards of the
+frozen networks in evaluation mode over the group's stacked anchors and previous models
+(rows are independent there, so each client's rows equal its sequential batch's), l_con a
+weighted sum of per-row losses (each client's mean over its real rows).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ...batched import grouped_forward, stacked_buffers, weighted_task_loss
 from ...errors import ConfigError
 from ...flat import FlatModel
 from ...models import model_option_params
@@ -74,6 +81,8 @@ class Moon(LocalRegAlgorithm):
     #: the FedAlign study's "two-layer projection layer" (MOON's l2 to 256) under --model auto
     auto_model_options = {"projection_dim": 256}
     uses_client_state = True
+    #: batched_loss is ``loss`` for K clients (fedhpc.batched)
+    batchable = True
 
     def setup(self):
         super().setup()
@@ -93,10 +102,12 @@ class Moon(LocalRegAlgorithm):
                 p.requires_grad_(False)
             self.frozen[name] = (net, FlatModel(net))
         self._frozen_global_kept = False  # whether frozen "global" holds a device's kept model
+        self._group_frozen = None  # the batched path's frozen forwards of the group it trains
 
     def round_begin(self, rnd):
         self.frozen["global"][1].load_(self.global_state)
         self._frozen_global_kept = False  # the frozen "global" network holds the round's global model
+        self._group_frozen = None
 
     def download(self, ctx):
         super().download(ctx)
@@ -111,7 +122,11 @@ class Moon(LocalRegAlgorithm):
         previous = ctx.load_state()
         ctx.extra["has_previous"] = previous is not None
         if previous is not None:
-            self.frozen["previous"][1].load_(previous.to(self.device))
+            previous = previous.to(self.device)
+            self.frozen["previous"][1].load_(previous)
+            # The batched path downloads a whole group before training it, so the frozen networks
+            # end up holding the group's last client's models: each client keeps its own here.
+            ctx.extra["previous"] = previous
 
     def projection(self, name: str, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -126,6 +141,52 @@ class Moon(LocalRegAlgorithm):
                                      self.options.temperature)
             loss = loss + self.options.mu * l_con
         return loss
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K clients (fedhpc.batched): CE + mu l_con per client, l_con over its real rows
+        (``weight``: 1/n_real on them, 0 on padding); a client without a previous model adds nothing."""
+        logits, feats = group.forward(x, return_features=True)
+        loss = weighted_task_loss(logits, y, weight)
+        has_previous = [bool(ctx.extra["has_previous"]) for ctx in group.ctxs]
+        if not any(has_previous) or self.options.mu <= 0:
+            return loss
+        z = feats["projection"]
+        z_glob, z_prev = self.group_projections(group, x)
+        k, b = z.shape[0], z.shape[1]
+        sims = torch.stack([F.cosine_similarity(z, z_glob, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], -1)
+        per_row = F.cross_entropy(sims.reshape(k * b, 2) / self.options.temperature,
+                                  torch.zeros(k * b, dtype=torch.long, device=z.device), reduction="none")
+        l_con = (per_row.view(k, b) * weight).sum(1)
+        # where, not a product: a client without a previous model trains on CE alone, as in ``loss``
+        has = torch.tensor(has_previous, device=l_con.device)
+        return torch.where(has, loss + self.options.mu * l_con, loss)
+
+    def group_projections(self, group, x):
+        """(z_glob, z_prev), each (K, B, d): the frozen networks' projections of every client's rows,
+        row k through client k's anchor (``anchor_state``) and its previous model (its anchor stands in
+        for a client without one, whose term is dropped), in evaluation mode, without gradients.
+        The stacked states are built once per group (the steps of one group share ``group.ctxs``)."""
+        cached = self._group_frozen
+        if cached is None or cached[0] is not group.ctxs:
+            anchors = [self.anchor_state(ctx) for ctx in group.ctxs]
+            previous = [ctx.extra.get("previous", a) for ctx, a in zip(group.ctxs, anchors)]
+            forwards = []
+            for name, states in (("global", anchors), ("previous", previous)):
+                net, flat = self.frozen[name]
+                stacked = torch.stack([s.to(flat.flat.dtype) for s in states])
+                k = stacked.shape[0]
+                params = {e.name: stacked[:, e.offset:e.offset + e.numel].view((k,) + tuple(e.shape))
+                          for e in flat.entries if e.is_param}
+                forwards.append(grouped_forward(net, params, stacked_buffers(flat, stacked[:, flat.num_params:])))
+            if forwards[0] is None:
+                raise ConfigError(f"moon with --clients-at-once > 1 needs a model whose layers with weights are all "
+                                  f"Linear, Conv2d or BatchNorm (the run's model {self.model_named} is not); "
+                                  f"run with --clients-at-once 1")
+            cached = self._group_frozen = (group.ctxs, forwards[0], forwards[1])
+        with torch.no_grad():
+            z_glob = cached[1](x, return_features=True)[1]["projection"]
+            z_prev = cached[2](x, return_features=True)[1]["projection"]
+        return z_glob, z_prev
 
     def upload(self, model, ctx):
         ctx.save_state(self.flat.flat)  # this client's model: its "previous" next time it trains

@@ -41,6 +41,12 @@ class StochDepth(LocalRegAlgorithm):
 
     Options = StochDepthOptions
     auto_model_kind = "residual"
+    #: why --clients-at-once > 1 is refused (fedhpc.batched.check_batchable)
+    not_batchable_because = (
+        "each client drops whole residual blocks for a batch at a time, and a dropped block's parameters "
+        "take no step at all (no gradient: torch's SGD skips them, no weight decay, no momentum) and its "
+        "BatchNorm statistics stay as they are, which one stacked forward and optimiser step over all "
+        "clients' parameters cannot reproduce")
 
     def setup(self):
         super().setup()

@@ -1,0 +1,116 @@
+"""Batched clients (fedhpc.batched) for the FedAlign study's methods: MOON and FedAlign train K
+clients at once within float rounding of the sequential path, client by client (clients of unequal
+sizes, 2 epochs, momentum + weight decay, a narrow residual network with BatchNorm); StochDepth and
+GradAug are refused with the reason. (Mixup: tests/test_batched_more.py.)
+
+MOON's contrastive term needs a previous model, which a client has only from its second round on:
+the client-by-client check therefore runs round 1 after a sequential round 0, with clients that
+have a previous model and clients that have none in the same groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedhpc.batched import check_batchable
+from fedhpc.errors import ConfigError
+from test_batched import (TOL, assert_same_clients, batched_clients, make_engine, round_info, run_rounds,
+                          sequential_clients)
+
+#: Both at lr 0.01, momentum 0.5 (as tests/test_batched_more.py's residual network): at test_batched.py's
+#: lr 0.05, momentum 0.9 this network amplifies rounding. FedAlign's power iterations in the sequential
+#: path alone (a start moved by 1e-7 ends a client's round 1e-4 away; the batched path 3e-5), and from
+#: the state round 0 leaves, BatchNorm statistics reduced in another order, on CE alone (a round-1 client
+#: of MOON's run with mu 0, i.e. FedAvg's update, ends 9e-3 from the sequential one; 4e-7 at lr 0.01).
+SLOW = dict(lr=0.01, momentum=0.5)
+#: mu not 1, so that a loss without it differs
+MOON_OPTIONS = {"mu": 0.5}
+#: MOON's model as its tests build it (tests/test_fedalign.py): resnet_digits, width 4, a projection head
+MOON = dict(model="resnet_digits", model_options={"width": 4, "projection_dim": 8}, **SLOW)
+#: FedAlign's: the same network without the head, with dropout before the classifier (per-client masks)
+FEDALIGN = dict(model="resnet_digits", model_options={"width": 4, "dropout": 0.3}, **SLOW)
+#: FedAlign with the launcher's default (the authors' rescaling) and Eq. 5 as printed with the sliced input
+FEDALIGN_OPTIONS = {"rescaled": {"lip_rescale": True},
+                    "printed": {"lip_rescale": False, "mu": 0.01, "student_input": "sliced"}}
+
+
+def same_as_sequential(algo, options, t=0, k=4, **kw):
+    """Round ``t``'s clients, sequential and batched, after ``t`` sequential rounds in each engine."""
+    engines = [make_engine(algo, options, **kw) for _ in range(2)]
+    for eng in engines:
+        for r in range(t):
+            eng.run_round(r)
+    start = engines[0].global_state.clone()
+    seq = sequential_clients(engines[0], t)
+    bat = batched_clients(engines[1], t, k)
+    assert_same_clients(seq, bat, start)
+    return engines
+
+
+@pytest.mark.parametrize("variant", list(FEDALIGN_OPTIONS))
+def test_fedalign_clients_equal_sequential(variant):
+    """Round 0 client by client: the full forward grouped, each client's slimmed last stage on its own
+    real rows and weights, L_Lip its mean over them."""
+    same_as_sequential("fedalign", FEDALIGN_OPTIONS[variant], **FEDALIGN)
+
+
+def test_moon_clients_with_and_without_a_previous_model_equal_sequential():
+    """Round 1 after a sequential round 0: in each group, clients contrasting with their own previous
+    model and clients without one (CE alone), each with its own z_prev."""
+    seq_eng, bat_eng = same_as_sequential("moon", MOON_OPTIONS, t=1, **MOON)
+    rnd = round_info(make_engine("moon", MOON_OPTIONS, **MOON), 1)
+    had = [seq_eng.client_state.get_slot(cid, "algo") is not None for cid in rnd.my_clients]
+    assert any(had[:4]) and not all(had[:4]), "the first group must mix clients with and without a previous model"
+
+
+def test_moon_round_0_equals_sequential_in_groups_that_do_not_divide():
+    """Round 0 (no previous models yet: CE alone), 6 clients in groups of 5 and 1."""
+    same_as_sequential("moon", MOON_OPTIONS, k=5, **MOON)
+
+
+@pytest.mark.parametrize("algo", ["moon", "fedalign"])
+def test_three_rounds_through_the_engine_equal_sequential(algo):
+    """Engine.run_round with --clients-at-once 4 against 1: the global model, the round losses and,
+    for MOON, every client's stored previous model (what it contrasts with from round 1 on).
+    """
+    options, kw = (MOON_OPTIONS, MOON) if algo == "moon" else (FEDALIGN_OPTIONS["rescaled"], FEDALIGN)
+    seq, m_seq = run_rounds(1, algo, options, rounds=3, **kw)
+    bat, m_bat = run_rounds(4, algo, options, rounds=3, **kw)
+    assert float((seq.global_state - bat.global_state).abs().max()) <= 3 * TOL
+    assert float((seq.global_state - make_engine(algo, options, **kw).global_state).abs().max()) > 1e-2
+    for a, b in zip(m_seq, m_bat):
+        assert abs(a["train_loss"] - b["train_loss"]) <= TOL
+    if algo == "moon":
+        stored = 0
+        for cid in range(seq.data.num_clients):
+            a, b = seq.client_state.get_slot(cid, "algo"), bat.client_state.get_slot(cid, "algo")
+            assert (a is None) == (b is None), cid
+            if a is not None:
+                stored += 1
+                assert float((a.float() - b.float()).abs().max()) <= 3 * TOL, cid
+        assert stored >= 6
+
+
+def test_moon_with_lost_broadcasts_contrasts_each_device_with_the_model_it_kept():
+    """Under a channel model whose downlinks fail, devices start (and take their positive pair) from
+    the models they kept, each its own in a batched group: three rounds equal the sequential ones."""
+    kw = dict(MOON, channel="symmetric",
+              channel_options={"distance_m": 1800, "t_max_s": 0.008, "num_channels": 12})
+    seq, m_seq = run_rounds(1, "moon", MOON_OPTIONS, rounds=3, **kw)
+    bat, m_bat = run_rounds(4, "moon", MOON_OPTIONS, rounds=3, **kw)
+    assert sum(m["downlink_outages"] for m in m_seq[:-1]) > 0, "the check needs devices that kept their model"
+    for a, b in zip(m_seq, m_bat):
+        assert a["downlink_outages"] == b["downlink_outages"]
+        assert abs(a["train_loss"] - b["train_loss"]) <= TOL
+    assert float((seq.global_state - bat.global_state).abs().max()) <= 3 * TOL
+
+
+@pytest.mark.parametrize("algo,why", [("stochdepth", "drops whole residual blocks"),
+                                      ("gradaug", "sub-networks of its own random widths")])
+def test_stochdepth_and_gradaug_are_refused_with_the_reason(algo, why):
+    eng = make_engine(algo, None, model="resnet_digits", model_options={"width": 4})
+    with pytest.raises(ConfigError, match=f"{why}.*run with --clients-at-once 1"):
+        check_batchable(eng.algo, eng.model, eng.cfg)
+    with pytest.raises(ConfigError, match=why):  # and by the engine, before any round
+        make_engine(algo, None, model="resnet_digits", model_options={"width": 4}, clients_at_once=4)
