@@ -40,11 +40,26 @@ Who is batched: an algorithm opts in with the class attribute ``batchable = True
 hook ``batched_loss(group, x, y, weight) -> (K,)`` (see :class:`ClientGroup`); the
 sequential ``loss`` stays the reference. Today: FedAvg, FedProx, NaiveMix, FedMix, LocalMix,
 Mixup, MOON, FedAlign (StochDepth and GradAug are refused, saying why), and the personalised
-FedPer, LG-FedAvg, FedSim and pMixFed (-Dynamic), whose
-``download`` builds the model a client trains (personal layers, pMixFed's mix) before the
-batched steps start, as it does before the sequential ones. A subclass that overrides ``loss``,
-``local_update``, ``make_optimizer`` or ``mix_loss`` without declaring ``batchable`` itself is
-refused, so a method never inherits a batched path that no longer matches its loss.
+FedPer, LG-FedAvg, FedSim, pMixFed (-Dynamic), FedBABU, FedAlt and Ditto (Per-FedAvg is
+refused, saying why), whose ``download`` builds the model a client trains (personal layers,
+pMixFed's mix) before the batched steps start, as it does before the sequential ones. A subclass that overrides a hook of
+the local update (``LOCAL_UPDATE_HOOKS``: ``loss``, ``local_update``, ``make_optimizer``,
+``mix_loss``, the personalised family's phases...) without declaring ``batchable`` itself is
+refused, so a method never inherits a batched path that no longer matches its loss; a method
+refused may say why (``not_batchable_because``: Per-FedAvg's meta-steps).
+
+An update with phases, frozen parts or a second model overrides ``batched_local_update(group)``
+(default: one :func:`train_group` call), mirroring its ``local_update`` with
+:class:`GroupTraining`: ``group.train(states, epochs, first_epoch, loss)`` is one phase of the
+sequential ``train_epochs`` (a fresh stacked optimiser, epochs numbered from ``first_epoch``), over
+the parameters that require grad in the model *now*: run under the same ``frozen(...)`` as the
+sequential phase, a frozen parameter takes no gradient, no momentum and no weight decay, and a
+frozen BatchNorm normalises with each client's running statistics and leaves them as they are.
+FedBABU trains one phase with its head frozen, FedAlt its personal phase then its shared phase.
+``group.stacked(model, flat, states)`` is another model of each client's, stepped inside a phase's
+loss: Ditto's personal models, whose steps precede each global step on the same batch, from the
+same dropout streams (``batched_downloaded`` / ``batched_hand_back`` carry such a model's start
+and trained state past the other clients' downloads to each client's upload).
 
 Dropout and BatchNorm, on the grouped kernels (every parametrised module a Linear, Conv2d or
 BatchNorm1d/2d/3d; the vmap path refuses them with a ConfigError naming the fix):
@@ -93,8 +108,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .flat import FlatModel
 
 #: hooks whose override changes the local update: an override must come with its own opt-in
-#: (train_epochs / joint_update: the personalised family's local update, fedhpc.algorithms.personal)
-LOCAL_UPDATE_HOOKS = ("loss", "local_update", "make_optimizer", "mix_loss", "train_epochs", "joint_update")
+#: (train_epochs / joint_update / personal_phase / personal_step: the personalised family's local
+#: update, fedhpc.algorithms.personal; batched_local_update: the batched path's own)
+LOCAL_UPDATE_HOOKS = ("loss", "local_update", "make_optimizer", "mix_loss", "train_epochs", "joint_update",
+                      "personal_phase", "personal_step", "batched_local_update")
 
 
 # --------------------------------------------------------------------------- what a hook sees
@@ -216,11 +233,13 @@ def check_batchable(algo: "Algorithm", model: nn.Module, cfg) -> None:
 
 # --------------------------------------------------------------------------- the batched model
 
-def stacked_params(flat, theta: torch.Tensor) -> Dict[str, torch.Tensor]:
+def stacked_params(flat, theta: torch.Tensor, trainable: Optional[set] = None) -> Dict[str, torch.Tensor]:
     """name -> (K, *shape) views of ``theta``'s parameter columns: leaves requiring grad that
-    share ``theta``'s memory, so stepping ``theta`` in place moves them too."""
+    share ``theta``'s memory, so stepping ``theta`` in place moves them too. ``trainable``: the
+    names that require grad (default all); the others are plain views (read, not differentiated)."""
     k = theta.shape[0]
-    return {e.name: theta[:, e.offset:e.offset + e.numel].view((k,) + tuple(e.shape)).requires_grad_(True)
+    return {e.name: theta[:, e.offset:e.offset + e.numel].view((k,) + tuple(e.shape))
+            .requires_grad_(trainable is None or e.name in trainable)
             for e in flat.entries if e.is_param}
 
 
@@ -543,13 +562,18 @@ class StackedSGD:
 
     Only the first ``num_params`` columns (the parameters; FlatModel puts buffers after them)
     are stepped. A client whose ``active`` flag is False keeps its row and momentum bit for bit.
+    ``columns`` (num_params,) bool: the parameters this optimiser was given (default all); the
+    others are frozen, kept bit for bit like a masked-out client (no momentum, no weight decay),
+    as a parameter left out of ``torch.optim.SGD``'s list is.
     """
 
     def __init__(self, theta: torch.Tensor, num_params: int, lr: float, momentum: float,
-                 weight_decay: float, grad_clip: float, nesterov: bool = False):
+                 weight_decay: float, grad_clip: float, nesterov: bool = False,
+                 columns: Optional[torch.Tensor] = None):
         self.p = num_params
         self.lr, self.momentum, self.weight_decay, self.grad_clip = lr, momentum, weight_decay, grad_clip
         self.nesterov = nesterov
+        self.columns = None if columns is None else columns[None, :]
         # Zeros, not "unset": momentum * 0 + g == g exactly, torch's first-step buffer.
         self.buf = torch.zeros_like(theta[:, :num_params]) if momentum > 0 else None
 
@@ -558,6 +582,10 @@ class StackedSGD:
         """``active``: (K,) bool, or None when every client takes this step."""
         w = theta[:, :self.p]
         g = grad[:, :self.p]
+        # which entries move: the active clients' rows, the optimiser's own columns (None: all)
+        moves = None if active is None else active[:, None]
+        if self.columns is not None:
+            moves = self.columns if moves is None else moves & self.columns
         if self.grad_clip > 0:
             # clip_grad_norm_ per client: the 2-norm over all of its parameters' gradients
             norm = torch.linalg.vector_norm(g, 2, dim=1, keepdim=True)
@@ -566,14 +594,14 @@ class StackedSGD:
             g = g.add(w, alpha=self.weight_decay)
         if self.buf is not None:
             new_buf = self.buf.mul(self.momentum).add_(g)
-            if active is None:
+            if moves is None:
                 self.buf = new_buf
             else:
-                self.buf = torch.where(active[:, None], new_buf, self.buf)
+                self.buf = torch.where(moves, new_buf, self.buf)
             g = g.add(new_buf, alpha=self.momentum) if self.nesterov else new_buf
         new_w = w.add(g, alpha=-self.lr)
-        if active is not None:
-            new_w = torch.where(active[:, None], new_w, w)
+        if moves is not None:
+            new_w = torch.where(moves, new_w, w)
         w.copy_(new_w)
 
 
@@ -642,63 +670,140 @@ def client_rng_states(cfg, ctxs: List[ClientContext], device: torch.device) -> L
     return states
 
 
+def _draws_masks(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
+class StackedModel:
+    """K clients' copies of ``model`` in training, from the flat states ``starts`` (K, P): the
+    (K, *shape) parameter views, BatchNorm's running statistics apart (see :func:`stacked_buffers`)
+    and a fresh :class:`StackedSGD` (a fresh optimiser, as each sequential phase has).
+
+    Trained are the parameters that require grad in ``model`` now, as ``train_epochs`` gives the
+    optimiser only those: a parameter frozen by the caller (``requires_grad`` False, e.g. under
+    :func:`fedhpc.algorithms.personal.frozen`) is read by the forward but takes no gradient and is
+    never stepped (no momentum, no weight decay), and a BatchNorm module the caller put in eval mode
+    normalises with its clients' running statistics and leaves them as they are."""
+
+    def __init__(self, algo: "Algorithm", model: nn.Module, flat, starts: torch.Tensor, lr: float,
+                 step: StepRows):
+        cfg = algo.cfg
+        self.model, self.flat, self.step_rows = model, flat, step
+        self.theta = starts.detach().clone()
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        self.params = stacked_params(flat, self.theta, trainable)
+        # float buffers (BatchNorm's running statistics) apart from theta: see stacked_buffers
+        self.buffer_rows = self.theta[:, flat.num_params:].clone()
+        self.buffers = stacked_buffers(flat, self.buffer_rows)
+        trained = [e for e in flat.entries if e.is_param and e.name in trainable]
+        self.leaves = [self.params[e.name] for e in trained]
+        # the leaves' gradients, written into one (K, P) tensor for the whole-state optimizer step;
+        # a frozen parameter's columns stay 0 (so they add nothing to a clipped gradient's norm)
+        self.grad = torch.zeros_like(self.theta)
+        self.grad_views = [self.grad[:, e.offset:e.offset + e.numel].view_as(v) for e, v in zip(trained, self.leaves)]
+        columns = None
+        if len(trained) < sum(e.is_param for e in flat.entries):
+            columns = torch.zeros(flat.num_params, dtype=torch.bool, device=self.theta.device)
+            for e in trained:
+                columns[e.offset:e.offset + e.numel] = True
+        self.opt = StackedSGD(self.theta, flat.num_params, lr, cfg.momentum, cfg.weight_decay, cfg.grad_clip,
+                              getattr(cfg, "nesterov", False), columns)  # getattr: configs from before --nesterov
+        self._forward: Optional[Callable[..., torch.Tensor]] = None
+
+    def forward(self, probe: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """The K clients' forward (:func:`stacked_forward`, chosen once, on the first batch ``probe``)."""
+        if self._forward is None:
+            self._forward = stacked_forward(self.model, self.params, probe, self.buffers, self.step_rows)
+        return self._forward
+
+    def step(self, losses: torch.Tensor, active: Optional[torch.Tensor]) -> None:
+        """One optimizer step of every client on the gradient of its own loss (``losses`` (K,));
+        ``active`` (K,) bool, or None when every client takes the step."""
+        grads = torch.autograd.grad(losses.sum(), self.leaves, allow_unused=True)
+        with torch.no_grad():
+            for view, g in zip(self.grad_views, grads):
+                if g is None:  # a parameter this loss does not use: zero gradient, as in SGD
+                    view.zero_()
+                else:
+                    view.copy_(g)
+        self.opt.step(self.theta, self.grad, active)
+
+    def states(self) -> torch.Tensor:
+        """The trained flat states (K, P), running statistics written back."""
+        theta = self.theta.detach()
+        theta[:, self.flat.num_params:] = self.buffer_rows
+        return theta
+
+
 def train_group(algo: "Algorithm", model: nn.Module, flat, ctxs: List[ClientContext],
-                starts: torch.Tensor, rng_states: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+                starts: torch.Tensor, rng_states: Optional[List[torch.Tensor]] = None, *,
+                epochs: Optional[int] = None, first_epoch: int = 0,
+                loss: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
     """Train the clients of ``ctxs`` from the flat states ``starts`` (K, P); returns the trained
     states (K, P) and adds each client's training loss to its ``ctx`` (as ``ctx.record`` does).
     ``rng_states``: each client's generator state (of the model's device) as its training starts,
-    for dropout masks, advanced in place as they are drawn (default :func:`client_rng_states`)."""
+    for dropout masks, advanced in place as they are drawn (default :func:`client_rng_states`).
+
+    One phase of the sequential ``train_epochs``: a fresh optimiser over the parameters that require
+    grad in ``model`` (see :class:`StackedModel`), ``epochs`` epochs (default --local-epochs)
+    numbered from ``first_epoch`` for the batch order, each step on ``loss(group, x, y, weight)``
+    (K,) (default ``algo.batched_loss``)."""
     cfg = algo.cfg
-    theta = starts.detach().clone()
-    params = stacked_params(flat, theta)
-    # float buffers (BatchNorm's running statistics) apart from theta: see stacked_buffers
-    buffer_rows = theta[:, flat.num_params:].clone()
-    buffers = stacked_buffers(flat, buffer_rows)
-    draws = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    loss = loss or algo.batched_loss
+    draws = _draws_masks(model)
     if draws and rng_states is None:
-        rng_states = client_rng_states(cfg, ctxs, theta.device)
+        rng_states = client_rng_states(cfg, ctxs, starts.device)
     step = StepRows(rng_states if draws else None)
-    forward = None
-    leaves = list(params.values())
-    # the leaves' gradients, written into one (K, P) tensor for the whole-state optimizer step
-    grad = torch.zeros_like(theta)
-    grad_views = [grad[:, e.offset:e.offset + e.numel].view_as(v)
-                  for e, v in zip((e for e in flat.entries if e.is_param), leaves)]
-    opt = StackedSGD(theta, flat.num_params, ctxs[0].lr, cfg.momentum, cfg.weight_decay, cfg.grad_clip,
-                     getattr(cfg, "nesterov", False))  # getattr: configs from before --nesterov
+    stacked = StackedModel(algo, model, flat, starts, ctxs[0].lr, step)
     k = len(ctxs)
-    loss_sums = torch.zeros(k, dtype=torch.float64, device=theta.device)
-    for epoch in range(cfg.local_epochs):
+    loss_sums = torch.zeros(k, dtype=torch.float64, device=starts.device)
+    for epoch in range(first_epoch, first_epoch + (cfg.local_epochs if epochs is None else epochs)):
         eb = epoch_batches(ctxs, epoch, cfg.batch_size)
         if eb is None:
             continue
-        if forward is None:
-            forward = stacked_forward(model, params, eb.x[:, 0], buffers, step)
+        forward = stacked.forward(eb.x[:, 0])
         for s in range(eb.steps):
             real = [eb.real[i][s] for i in range(k)]
             step.set(real, cfg.batch_size)
             active_list = [n > 0 for n in real]
-            all_active = all(active_list)
-            group = ClientGroup(forward, params, ctxs, active_list, real, flat)
-            losses = algo.batched_loss(group, eb.x[:, s], eb.y[:, s], eb.weight[:, s])
-            grads = torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
-            with torch.no_grad():
-                for view, g in zip(grad_views, grads):
-                    if g is None:  # a parameter this loss does not use: zero gradient, as in SGD
-                        view.zero_()
-                    else:
-                        view.copy_(g)
-            active = None if all_active else eb.counts[:, s] > 0
-            opt.step(theta, grad, active)
+            group = ClientGroup(forward, stacked.params, ctxs, active_list, real, flat)
+            losses = loss(group, eb.x[:, s], eb.y[:, s], eb.weight[:, s])
+            stacked.step(losses, None if all(active_list) else eb.counts[:, s] > 0)
             loss_sums.add_(losses.detach().double() * eb.counts[:, s])  # a masked-out client adds 0 * its 0 loss
         for i, ctx in enumerate(ctxs):
             ctx.samples += sum(eb.real[i])
     for i, ctx in enumerate(ctxs):
         ctx.loss_sum.add_(loss_sums[i])
     step.set(None, 0)
-    theta = theta.detach()
-    theta[:, flat.num_params:] = buffer_rows
-    return theta
+    return stacked.states()
+
+
+class GroupTraining:
+    """The K clients of one batched group, as ``Algorithm.batched_local_update`` trains them.
+
+    ``starts`` (K, P): their flat states as their downloads left them. ``train(states, ...)`` is
+    :func:`train_group` on them: one call per phase of the sequential update (each with a fresh
+    optimiser over what is not frozen). ``stacked(model, flat, states)``: another model of each
+    client's, stepped inside a phase's loss (Ditto's personal models). All of them draw dropout
+    masks from the same per-client generator states ``rng``, so each client's stream runs on from
+    phase to phase and model to model as it does in its sequential training."""
+
+    def __init__(self, algo: "Algorithm", model: nn.Module, flat, ctxs: List[ClientContext],
+                 starts: torch.Tensor, rng: Optional[List[torch.Tensor]] = None):
+        self.algo, self.model, self.flat, self.ctxs, self.starts = algo, model, flat, ctxs, starts
+        if rng is None and _draws_masks(model):
+            rng = client_rng_states(algo.cfg, ctxs, starts.device)
+        self.rng = rng
+
+    def train(self, states: torch.Tensor, epochs: Optional[int] = None, first_epoch: int = 0,
+              loss: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
+        return train_group(self.algo, self.model, self.flat, self.ctxs, states, self.rng,
+                           epochs=epochs, first_epoch=first_epoch, loss=loss)
+
+    def stacked(self, model: nn.Module, flat, states: torch.Tensor) -> StackedModel:
+        """``model``'s K copies from ``states``; its forward needs each call's rows
+        (``forward(x, real=group.real)``), its own StepRows being never set."""
+        return StackedModel(self.algo, model, flat, states, self.ctxs[0].lr, StepRows(self.rng))
 
 
 def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], clients_at_once: int
@@ -728,15 +833,18 @@ def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], client
             ctx = ClientContext(algo, cid, client, rnd)
             before = algo.ledger.values.clone()
             algo.download(ctx)  # may load a model the device kept (channel model)
+            algo.batched_downloaded(ctx)  # what else the download loaded, kept before the next one's
             downloads.append(algo.ledger.values - before)
             starts.append(flat.flat.detach().clone())
             ctxs.append(ctx)
             if draws:  # where the client's training starts drawing dropout masks, as in the sequential loop
                 rng.append(gen.get_state())
-        trained = train_group(algo, engine.model, flat, ctxs, torch.stack(starts), rng if draws else None)
+        trained = algo.batched_local_update(GroupTraining(algo, engine.model, flat, ctxs, torch.stack(starts),
+                                                         rng if draws else None))
         share = (time.perf_counter() - g0) / len(group_ids)
         for i, (cid, ctx) in enumerate(zip(group_ids, ctxs)):
             flat.load_(trained[i])
+            algo.batched_hand_back(ctx)  # what else its upload reads (Ditto: its personal model)
             if draws:  # torch's generator where the client's sequential training leaves it, for its upload
                 gen.set_state(rng[i])
             traffic_before = (algo.ledger.values - downloads[i]) if engine.channel_active else None

@@ -319,7 +319,7 @@ def test_dropout_and_batchnorm_outside_the_grouped_kernels_are_refused(wrap, mat
 @pytest.mark.parametrize("kw,algo,match", [
     (dict(optimizer="adam", momentum=0.0), "fedavg", "sgd only"),
     ({}, "globalmix", "not declared batchable"),
-    ({}, "ditto", "not declared batchable"),
+    ({}, "per_fedavg", "not declared batchable"),
 ])
 def test_refused_with_a_config_error(kw, algo, match):
     eng = make_engine(algo, None, **kw)

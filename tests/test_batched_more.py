@@ -194,13 +194,33 @@ def test_personal_methods_over_rounds_equal_sequential(algo):
     assert own >= 6  # most clients trained, some twice: the check covers their own states
 
 
-def test_methods_that_train_part_of_the_model_or_alternate_stay_refused():
-    """FedAlt (alternating phases, one part frozen in each) overrides FedSim's local update; FedBABU
-    (frozen head), Ditto and Per-FedAvg never opted in."""
-    for algo, match in (("fedalt", "FedAlt.local_update overrides"), ("fedbabu", "not declared batchable"),
-                        ("ditto", "not declared batchable"), ("per_fedavg", "not declared batchable")):
+def test_per_fedavg_stays_refused_and_says_why():
+    """FedBABU, FedAlt and Ditto are batched (tests/test_batched_personal.py); Per-FedAvg's meta-steps
+    (inner step, gradient at the adapted weights, restore) on wrapping groups of batches are not."""
+    eng = make_engine("per_fedavg")
+    with pytest.raises(ConfigError, match=r"not declared batchable: its meta-steps .* wrap around each client's"):
+        check_batchable(eng.algo, eng.model, eng.cfg)
+
+
+def test_a_subclass_of_a_phased_method_changing_a_phase_is_refused():
+    """An opt-in is its class's own: a subclass overriding FedAlt's personal phase or Ditto's personal
+    step (which their batched updates do not call) must declare ``batchable`` itself."""
+    from fedhpc.algorithms.personal.ditto import Ditto
+    from fedhpc.algorithms.personal.fedalt import FedAlt
+
+    class LongerPersonalPhase(FedAlt):
+        def personal_phase(self, model, ctx, epochs, first_epoch=0):
+            super().personal_phase(model, ctx, epochs + 1, first_epoch)
+
+    class ClippedPersonalStep(Ditto):
+        def personal_step(self, x, y, opt, anchor):
+            return super().personal_step(x, y, opt, anchor).clamp(max=10)
+
+    for algo, cls in (("fedalt", LongerPersonalPhase), ("ditto", ClippedPersonalStep)):
         eng = make_engine(algo)
-        with pytest.raises(ConfigError, match=match):
+        check_batchable(eng.algo, eng.model, eng.cfg)
+        eng.algo.__class__ = cls
+        with pytest.raises(ConfigError, match=f"{cls.__name__}.personal_"):
             check_batchable(eng.algo, eng.model, eng.cfg)
 
 

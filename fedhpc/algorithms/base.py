@@ -153,6 +153,22 @@ class Algorithm:
                 opt.step()
                 ctx.record(loss, y.shape[0])
 
+    # The batched path (fedhpc.batched, --clients-at-once > 1), for a class that declares ``batchable``.
+    def batched_local_update(self, group) -> torch.Tensor:
+        """``local_update`` of K clients at once: their trained flat states (K, P) from ``group.starts``
+        (a :class:`fedhpc.batched.GroupTraining`). Default: --local-epochs of SGD on ``batched_loss``;
+        a method whose update has phases or frozen parts calls ``group.train`` as it calls
+        ``train_epochs``."""
+        return group.train(group.starts)
+
+    def batched_downloaded(self, ctx: ClientContext) -> None:
+        """Called in a batched group right after ``ctx``'s download, before the next client's: keep,
+        in ``ctx.extra``, what the download loaded besides ``self.flat`` (Ditto: the personal model)."""
+
+    def batched_hand_back(self, ctx: ClientContext) -> None:
+        """Called as ``ctx``'s trained state is loaded back into ``self.flat``, before its upload: load
+        what else the upload reads (Ditto: its trained personal model)."""
+
     def probe_forward(self, model: nn.Module, x: torch.Tensor) -> None:
         """Every forward local training runs on a batch ``x``; the engine calls it once before the
         first round on a one-sample batch to refuse a model whose BatchNorm cannot train on it.

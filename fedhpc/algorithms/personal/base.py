@@ -251,8 +251,9 @@ class PersonalAlgorithm(Algorithm):
 
     def batched_loss(self, group, x, y, weight):
         """``loss`` (the task loss) for K clients at once (fedhpc.batched), for the methods of this
-        family that declare ``batchable``: those whose clients train the whole model on it with
-        plain SGD steps (FedPer, LG-FedAvg, FedSim, pMixFed), from what their ``download`` loaded."""
+        family that declare ``batchable``: those whose clients train on it with plain SGD steps
+        (FedPer, LG-FedAvg, FedSim, pMixFed), from what their ``download`` loaded, or part of the
+        model in phases (FedBABU, FedAlt), and Ditto's global model."""
         return weighted_task_loss(group.forward(x), y, weight)
 
     def modules_of(self, layers: Sequence[int]) -> List[nn.Module]:

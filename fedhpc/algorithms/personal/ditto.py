@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...batched import ClientGroup, proximal_terms, weighted_task_loss
 from ...errors import ConfigError
 from ...flat import FlatModel
 from .. import register_algorithm
@@ -56,6 +57,9 @@ class Ditto(PersonalAlgorithm):
 
     Options = DittoOptions
     uses_client_state = True
+    #: --clients-at-once > 1 trains K clients' global and personal models at once, the same steps
+    #: in the same order on the same batches (batched_local_update; fedhpc.batched)
+    batchable = True
 
     def setup(self):
         super().setup()
@@ -107,6 +111,40 @@ class Ditto(PersonalAlgorithm):
         # last step can overflow after the last finite loss.
         personal_sum.add_(self.personal_flat.flat.detach().abs().amax().double())
         ctx.loss_sum.add_(personal_sum.mul_(0.0))
+
+    def batched_downloaded(self, ctx):
+        ctx.extra["personal_start"] = self.personal_flat.flat.detach().clone()  # the next download reloads it
+
+    def batched_local_update(self, group):
+        """``local_update`` for K clients at once (fedhpc.batched.GroupTraining): their personal models
+        are a second stacked model, stepped inside the global model's loss as the sequential loss_fn
+        steps them, before the global forward on the same batch (so from the same dropout streams)."""
+        self.personal_net.train(self.model.training)
+        starts = torch.stack([ctx.extra.pop("personal_start") for ctx in group.ctxs])
+        personal = group.stacked(self.personal_net, self.personal_flat, starts)
+        personal_sums = torch.zeros(len(group.ctxs), dtype=torch.float64, device=starts.device)
+
+        def personal_steps_then_global_loss(g, x, y, weight):
+            active = None if all(g.active) else torch.tensor(g.active, device=starts.device)
+            for _ in range(self.options.personal_steps):
+                on_v = ClientGroup(personal.forward(x), personal.params, g.ctxs, g.active, g.real, self.personal_flat)
+                task = weighted_task_loss(on_v.forward(x, real=g.real), y, weight)
+                # h_k = F_k(v) + (lam/2)||v - w^t||^2, w^t = anchor_state(ctx) as in personal_step
+                personal.step(task + proximal_terms(on_v, self, self.options.lam), active)
+                personal_sums.add_(task.detach().double())  # 0 for a client masked out of the step
+            return self.batched_loss(g, x, y, weight)
+
+        trained = group.train(group.starts, loss=personal_steps_then_global_loss)
+        v = personal.states()
+        # the non-finite guard of local_update, client by client (see the module docstring)
+        guard = personal_sums + v.abs().amax(1).double()
+        for i, ctx in enumerate(group.ctxs):
+            ctx.loss_sum.add_(guard[i].mul(0.0))
+            ctx.extra["personal_trained"] = v[i]
+        return trained
+
+    def batched_hand_back(self, ctx):
+        self.personal_flat.load_(ctx.extra.pop("personal_trained"))  # what upload saves
 
     def upload(self, model, ctx):
         ctx.save_state(self.personal_flat.flat)

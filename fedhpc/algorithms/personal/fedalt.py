@@ -37,6 +37,9 @@ class FedAlt(FedSim):
     """FedAlt: personal layers updated first (shared fixed), then shared ones (personal fixed)."""
 
     Options = FedAltOptions
+    #: its own opt-in (it overrides FedSim's local update): the batched path runs the same two
+    #: phases, each a fresh stacked optimiser over the part not frozen (fedhpc.batched)
+    batchable = True
 
     def personal_phase(self, model, ctx, epochs: int, first_epoch: int = 0) -> None:
         with frozen(self.shared_modules()):
@@ -47,6 +50,14 @@ class FedAlt(FedSim):
         self.personal_phase(model, ctx, pe)
         with frozen(self.personal_modules()):
             self.train_epochs(model, ctx, self.cfg.local_epochs, first_epoch=pe)
+
+    def batched_local_update(self, group):
+        """``local_update``'s phases for K clients at once (fedhpc.batched.GroupTraining)."""
+        pe = self.options.personal_epochs or self.cfg.local_epochs
+        with frozen(self.shared_modules()):
+            states = group.train(group.starts, epochs=pe)
+        with frozen(self.personal_modules()):
+            return group.train(states, epochs=self.cfg.local_epochs, first_epoch=pe)
 
     def adapt(self, model, ctx):
         self.personal_phase(model, ctx, self.options.finetune_epochs)

@@ -39,6 +39,9 @@ class FedBABU(PersonalAlgorithm):
     """FedBABU: the head frozen during federated training, body averaged; fine-tuned at the end."""
 
     Options = FedBABUOptions
+    #: --clients-at-once > 1 trains the body of K clients at once, the head frozen as here
+    #: (fedhpc.batched: no gradient, no step, its BatchNorm in eval mode)
+    batchable = True
 
     def setup(self):
         super().setup()
@@ -57,6 +60,10 @@ class FedBABU(PersonalAlgorithm):
     def local_update(self, model, ctx):
         with frozen(self.head_modules):
             self.train_epochs(model, ctx, self.cfg.local_epochs)  # a fresh optimiser over the body only
+
+    def batched_local_update(self, group):
+        with frozen(self.head_modules):  # the stacked optimiser, too, gets only what requires grad
+            return group.train(group.starts)
 
     def upload(self, model, ctx):
         return {"body": self.body.gather(self.flat.flat)}

@@ -72,6 +72,11 @@ class PerFedAvg(PersonalAlgorithm):
     """Per-FedAvg: MAML-style local meta-steps (FO or HF), FedAvg; one adaptation step to personalise."""
 
     Options = PerFedAvgOptions
+    #: why --clients-at-once > 1 refuses it (fedhpc.batched.check_batchable names this)
+    not_batchable_because = ("its meta-steps (an inner step of size alpha, the gradient at the adapted weights, "
+                             "the weights restored; HF's finite differences on rewound dropout masks) run on "
+                             "groups of 2 or 3 batches that wrap around each client's own epoch, not the "
+                             "batched path's one step per batch")
 
     def grads(self, model, x, y, ctx):
         loss = self.loss(model, x, y, ctx)
