@@ -42,7 +42,10 @@ sequential ``loss`` stays the reference. Today: FedAvg, FedProx, NaiveMix, FedMi
 Mixup, MOON, FedAlign (StochDepth and GradAug are refused, saying why), and the personalised
 FedPer, LG-FedAvg, FedSim, pMixFed (-Dynamic), FedBABU, FedAlt and Ditto (Per-FedAvg is
 refused, saying why), whose ``download`` builds the model a client trains (personal layers,
-pMixFed's mix) before the batched steps start, as it does before the sequential ones. A subclass that overrides a hook of
+pMixFed's mix) before the batched steps start, as it does before the sequential ones; and the FD
+family's devices (FD on its own model and teacher table, FLD / MixFLD / Mix2FLD on the global
+model), each adding its own per-label output sums (Eq. 2) as one stacked table
+(:class:`fedhpc.exchanges.label_outputs.GroupLabelOutputs`). A subclass that overrides a hook of
 the local update (``LOCAL_UPDATE_HOOKS``: ``loss``, ``local_update``, ``make_optimizer``,
 ``mix_loss``, the personalised family's phases...) without declaring ``batchable`` itself is
 refused, so a method never inherits a batched path that no longer matches its loss; a method

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu/checks.sh [tests] [standard] [kernels] [ops] [bench] [plain]   (logs under $OUT, default /tmp/fedhpc-gpu)
 #   bash benchmarks/gpu/checks.sh all      # = tests standard ops plain bench: everything the GPU side needs, in one command
 # tests: environment, the CUDA extension's JIT build, then on the GPU (the tests' device "auto"
-#        picks it): tests/test_ops.py, tests/test_batched.py, tests/test_distributed.py (under the
+#        picks it): tests/test_ops.py, tests/test_batched*.py (every family opted in), tests/test_distributed.py (under the
 #        machine's Open MPI), tests/test_engine.py, and the GPU-only tests elsewhere (the
 #        ImageNet transform on CUDA, FedMix's double backward through a cuDNN-less LSTM)
 # standard: tests/test_algorithm_standard.py on the GPU (8 workers): every registered algorithm
@@ -41,8 +41,8 @@ tests)
     nproc; } 2>&1 | tee "$OUT/env.txt"
   step "extension build + backends"
   ( time timeout 300 $PY -m fedhpc.ops ) 2>&1 | tee "$OUT/ops_backend.txt"
-  for t in ${TEST_FILES:-test_ops test_batched test_batched_more test_distributed test_engine}; do
-    sel=(); case $t in test_distributed|test_batched|test_batched_more) sel=(-n 4);; esac  # their mpiexec launches in parallel
+  for t in ${TEST_FILES:-test_ops test_batched test_batched_more test_batched_distillation test_batched_personal test_batched_local_learning test_distributed test_engine}; do
+    sel=(); case $t in test_distributed|test_batched|test_batched_*) sel=(-n 4);; esac  # their mpiexec launches in parallel
     step "$t ${sel[*]}"
     timeout 240 $PY -m pytest -q -p no:cacheprovider "tests/$t.py" "${sel[@]}" 2>&1 | tee "$OUT/$t.txt" | tail -12
   done
