@@ -566,22 +566,26 @@ def test_partition_spellings_called_the_same_run_deal_the_same_split(a, b):
 
 def test_a_run_left_at_model_auto_resumes_under_the_model_it_stood_for(tmp_path):
     """The digits' default model is the CNN: a run started with --model auto (the default) and
-    resumed naming cnn is the same run, and the other way round; naming another model is not."""
+    resumed naming cnn is the same run, and the other way round; naming another model is not.
+    In this process (the launcher's parsing, the engine's identity check): the refusal's exit code
+    and message on the command line are test_mismatched_checkpoint_is_refused's."""
+    from standard_runner import run_case
+
     def args(rounds, model, out):
         a = FAST + ["--out", out, "--checkpoint-every", "1"]
         a[a.index("--rounds") + 1] = str(rounds)
         a[a.index("--model") + 1] = model
         return a
     straight = str(tmp_path / "straight")
-    assert launch(args(3, "cnn", straight)).returncode == 0
+    run_case(args(3, "cnn", straight), World(threads=1))
     for first, then in (("auto", "cnn"), ("cnn", "auto")):
         out = str(tmp_path / f"{first}-{then}")
-        assert launch(args(2, first, out)).returncode == 0
-        p = launch(args(3, then, out) + ["--resume"])
-        assert p.returncode == 0, p.stderr
+        run_case(args(2, first, out), World(threads=1))
+        eng, _, _ = run_case(args(3, then, out) + ["--resume"], World(threads=1))
+        assert eng.start_round == 2, "the run was not resumed"
         assert max_diff(final_weights(straight), final_weights(out)) == 0
-    p = launch(args(3, "mlp", str(tmp_path / "auto-cnn")) + ["--resume"])
-    assert p.returncode == 2 and "model: checkpoint 'cnn' vs now 'mlp'" in p.stderr, p.stderr
+    with pytest.raises(CheckpointError, match="model: checkpoint 'cnn' vs now 'mlp'"):
+        run_case(args(3, "mlp", str(tmp_path / "auto-cnn")) + ["--resume"], World(threads=1))
 
 
 # ------------------------------------------------ server state: FedAvgM's momentum buffer
