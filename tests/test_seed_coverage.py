@@ -131,9 +131,10 @@ def test_a_checkpoint_from_before_the_balanced_schedule_resumes_under_the_shared
     """Its seeds were made under 'shared' (the default then), and a resumed run makes them again:
     --seed-pairing auto (the default) and shared resume it so; balanced is refused, not run on
     other seeds than the checkpointed rounds trained on."""
-    # the lr, local epochs and K_s the old run had from the defaults of its day (its identity names them)
+    # the lr and local epochs the old run had from the defaults of its day (its identity names them;
+    # its K_s, 200, is in cases.json)
     argv = json.load(open(os.path.join(OLD, "cases.json")))[algo] + [
-        "--rounds", "4", "--checkpoint-every", "2", "--lr", "0.05", "--local-epochs", "1", "--server-steps", "3200"]
+        "--rounds", "4", "--checkpoint-every", "2", "--lr", "0.05", "--local-epochs", "1"]
     for flag, want in (([], "shared"), (["--seed-pairing", "shared"], "shared")):
         out = str(tmp_path / f"run{len(flag)}")
         shutil.copytree(os.path.join(OLD, algo), out)
