@@ -34,7 +34,9 @@ Equal to the sequential path (within float rounding), client by client:
   loss is the mean over the real samples only (per-sample weights 1/n_real);
 * optimizer: SGD as ``torch.optim.SGD`` runs it (weight decay added to the gradient, momentum
   buffer started at the first gradient, no dampening, ``--nesterov`` as torch does it), after
-  the per-client ``clip_grad_norm_`` when ``--grad-clip`` > 0. Adam is refused (ConfigError).
+  the per-client ``clip_grad_norm_`` when ``--grad-clip`` > 0; ``--optimizer adam`` as
+  ``torch.optim.Adam`` runs it (:class:`StackedAdam`: each client's own step count, so its bias
+  corrections are those of its own steps).
 
 Who is batched: an algorithm opts in with the class attribute ``batchable = True`` and a
 hook ``batched_loss(group, x, y, weight) -> (K,)`` (see :class:`ClientGroup`); the
@@ -193,8 +195,8 @@ def check_batchable(algo: "Algorithm", model: nn.Module, cfg) -> None:
         if owner is not None and owner is not opt_in and issubclass(owner, opt_in):
             raise ConfigError(f"--algo {cfg.algo}: {owner.__name__}.{hook} overrides the local update of "
                               f"{opt_in.__name__}, which declared the batched path; {fix}")
-    if cfg.optimizer != "sgd":
-        raise ConfigError(f"--clients-at-once > 1 supports --optimizer sgd only, got {cfg.optimizer!r}; {fix}")
+    if cfg.optimizer not in ("sgd", "adam"):
+        raise ConfigError(f"--clients-at-once > 1 supports --optimizer sgd and adam, got {cfg.optimizer!r}; {fix}")
     # the advice names the model option that removes the layer only where the run's model has it
     options = model_option_params(algo.model_name)
 
@@ -559,30 +561,23 @@ def stacked_forward(model: nn.Module, params: Dict[str, torch.Tensor], probe: to
     return vmap_forward(model, params)
 
 
-class StackedSGD:
-    """``torch.optim.SGD`` (momentum, weight decay, Nesterov) on every row of a (K, P) state at
-    once, after a per-client ``clip_grad_norm_``, with per-client masking.
+class _StackedOptimizer:
+    """What ``torch.optim.SGD`` and ``Adam`` share on a stacked (K, P) state: only the first
+    ``num_params`` columns (the parameters; FlatModel puts buffers after them) are stepped, after a
+    per-client ``clip_grad_norm_`` and the L2 weight decay added to the gradient; a client whose
+    ``active`` flag is False keeps its row and its optimiser state bit for bit. ``columns``
+    (num_params,) bool: the parameters the optimiser was given (default all); the others are
+    frozen, kept bit for bit like a masked-out client (no state, no weight decay), as a parameter
+    left out of torch's optimiser's list is."""
 
-    Only the first ``num_params`` columns (the parameters; FlatModel puts buffers after them)
-    are stepped. A client whose ``active`` flag is False keeps its row and momentum bit for bit.
-    ``columns`` (num_params,) bool: the parameters this optimiser was given (default all); the
-    others are frozen, kept bit for bit like a masked-out client (no momentum, no weight decay),
-    as a parameter left out of ``torch.optim.SGD``'s list is.
-    """
-
-    def __init__(self, theta: torch.Tensor, num_params: int, lr: float, momentum: float,
-                 weight_decay: float, grad_clip: float, nesterov: bool = False,
+    def __init__(self, num_params: int, lr: float, weight_decay: float, grad_clip: float,
                  columns: Optional[torch.Tensor] = None):
         self.p = num_params
-        self.lr, self.momentum, self.weight_decay, self.grad_clip = lr, momentum, weight_decay, grad_clip
-        self.nesterov = nesterov
+        self.lr, self.weight_decay, self.grad_clip = lr, weight_decay, grad_clip
         self.columns = None if columns is None else columns[None, :]
-        # Zeros, not "unset": momentum * 0 + g == g exactly, torch's first-step buffer.
-        self.buf = torch.zeros_like(theta[:, :num_params]) if momentum > 0 else None
 
-    @torch.no_grad()
-    def step(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor]) -> None:
-        """``active``: (K,) bool, or None when every client takes this step."""
+    def gradient(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor]):
+        """(weights view, the gradient the update uses, which entries move: None for all)."""
         w = theta[:, :self.p]
         g = grad[:, :self.p]
         # which entries move: the active clients' rows, the optimiser's own columns (None: all)
@@ -595,17 +590,71 @@ class StackedSGD:
             g = g * (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
         if self.weight_decay != 0:
             g = g.add(w, alpha=self.weight_decay)
+        return w, g, moves
+
+    @staticmethod
+    def keep(moves: Optional[torch.Tensor], new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return new if moves is None else torch.where(moves, new, old)
+
+
+class StackedSGD(_StackedOptimizer):
+    """``torch.optim.SGD`` (momentum, weight decay, Nesterov) on every row of a (K, P) state at
+    once, with per-client masking (see :class:`_StackedOptimizer`)."""
+
+    def __init__(self, theta: torch.Tensor, num_params: int, lr: float, momentum: float,
+                 weight_decay: float, grad_clip: float, nesterov: bool = False,
+                 columns: Optional[torch.Tensor] = None):
+        super().__init__(num_params, lr, weight_decay, grad_clip, columns)
+        self.momentum, self.nesterov = momentum, nesterov
+        # Zeros, not "unset": momentum * 0 + g == g exactly, torch's first-step buffer.
+        self.buf = torch.zeros_like(theta[:, :num_params]) if momentum > 0 else None
+
+    @torch.no_grad()
+    def step(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor]) -> None:
+        """``active``: (K,) bool, or None when every client takes this step."""
+        w, g, moves = self.gradient(theta, grad, active)
         if self.buf is not None:
             new_buf = self.buf.mul(self.momentum).add_(g)
-            if moves is None:
-                self.buf = new_buf
-            else:
-                self.buf = torch.where(moves, new_buf, self.buf)
+            self.buf = self.keep(moves, new_buf, self.buf)
             g = g.add(new_buf, alpha=self.momentum) if self.nesterov else new_buf
-        new_w = w.add(g, alpha=-self.lr)
-        if moves is not None:
-            new_w = torch.where(moves, new_w, w)
-        w.copy_(new_w)
+        w.copy_(self.keep(moves, w.add(g, alpha=-self.lr), w))
+
+
+class StackedAdam(_StackedOptimizer):
+    """``torch.optim.Adam`` as the sequential path builds it (``--optimizer adam``: betas (0.9,
+    0.999), eps 1e-8, no AMSGrad, weight decay added to the gradient) on every row of a (K, P)
+    state at once, with per-client masking (see :class:`_StackedOptimizer`).
+
+    Each client counts its own steps: one masked out of a step (fewer batches than the group's
+    largest client) takes no step, so its bias corrections 1 - beta^t are those of its own t, as
+    in its sequential training. They are computed in float64, as torch computes them from its
+    Python step count, and applied per row."""
+
+    betas = (0.9, 0.999)
+    eps = 1e-8
+
+    def __init__(self, theta: torch.Tensor, num_params: int, lr: float, weight_decay: float,
+                 grad_clip: float, columns: Optional[torch.Tensor] = None):
+        super().__init__(num_params, lr, weight_decay, grad_clip, columns)
+        self.exp_avg = torch.zeros_like(theta[:, :num_params])
+        self.exp_avg_sq = torch.zeros_like(theta[:, :num_params])
+        self.steps = torch.zeros(theta.shape[0], 1, dtype=torch.float64, device=theta.device)
+
+    @torch.no_grad()
+    def step(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor]) -> None:
+        """``active``: (K,) bool, or None when every client takes this step."""
+        beta1, beta2 = self.betas
+        w, g, moves = self.gradient(theta, grad, active)
+        exp_avg = self.exp_avg.lerp(g, 1 - beta1)
+        exp_avg_sq = self.exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2)
+        self.steps += 1 if active is None else active[:, None].to(self.steps.dtype)
+        t = self.steps.clamp(min=1)  # a client not stepped yet: any value, its row is kept below
+        step_size = (self.lr / (1 - beta1 ** t)).to(w.dtype)
+        bias_correction2_sqrt = (1 - beta2 ** t).sqrt().to(w.dtype)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        self.exp_avg = self.keep(moves, exp_avg, self.exp_avg)
+        self.exp_avg_sq = self.keep(moves, exp_avg_sq, self.exp_avg_sq)
+        w.copy_(self.keep(moves, w - step_size * (exp_avg / denom), w))
 
 
 # --------------------------------------------------------------------------- one epoch of batches
@@ -709,8 +758,11 @@ class StackedModel:
             columns = torch.zeros(flat.num_params, dtype=torch.bool, device=self.theta.device)
             for e in trained:
                 columns[e.offset:e.offset + e.numel] = True
-        self.opt = StackedSGD(self.theta, flat.num_params, lr, cfg.momentum, cfg.weight_decay, cfg.grad_clip,
-                              getattr(cfg, "nesterov", False), columns)  # getattr: configs from before --nesterov
+        if cfg.optimizer == "adam":
+            self.opt = StackedAdam(self.theta, flat.num_params, lr, cfg.weight_decay, cfg.grad_clip, columns)
+        else:
+            self.opt = StackedSGD(self.theta, flat.num_params, lr, cfg.momentum, cfg.weight_decay, cfg.grad_clip,
+                                  getattr(cfg, "nesterov", False), columns)  # getattr: configs from before --nesterov
         self._forward: Optional[Callable[..., torch.Tensor]] = None
 
     def forward(self, probe: torch.Tensor) -> Callable[..., torch.Tensor]:

@@ -20,7 +20,7 @@ from fedhpc.algorithms import ALGORITHMS, ClientContext, RoundInfo, load_algorit
 from fedhpc.algorithms.base import derive_seed, seed_torch
 from fedhpc.algorithms.fedavg import FedAvg
 from fedhpc.algorithms.mixing import batched_fedmix_loss, fedmix_loss, one_hot
-from fedhpc.batched import (StackedSGD, check_batchable, epoch_batches, train_in_groups,
+from fedhpc.batched import (StackedAdam, StackedSGD, check_batchable, epoch_batches, train_in_groups,
                             weighted_task_loss)
 from fedhpc.config import RunConfig, build_options
 from fedhpc.engine import Engine, sample_clients
@@ -225,6 +225,49 @@ def test_stacked_sgd_equals_torch_sgd_row_by_row(nesterov):
         assert torch.allclose(theta[i], w.detach(), atol=1e-6), i
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_stacked_adam_equals_torch_adam_row_by_row(frozen):
+    """K rows stepped at once == torch.optim.Adam (+ clip_grad_norm_, L2 weight decay) on each row
+    alone: a masked-out step leaves a row, its moments and its step count as they were (its bias
+    corrections follow its own steps); frozen columns are a parameter left out of Adam's list."""
+    torch.manual_seed(2)
+    k, p, steps = 3, 7, 6
+    theta0 = torch.randn(k, p)
+    grads = torch.randn(steps, k, p) * 3
+    active = torch.tensor([[1, 1, 1], [1, 0, 1], [1, 0, 0], [1, 1, 0], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    lr, wd, clip = 0.01, 0.01, 2.0
+    columns = torch.tensor([True, True, False, True, True, False, True]) if frozen else None
+    theta = theta0.clone()
+    opt = StackedAdam(theta, p, lr, wd, clip, columns)
+    for s in range(steps):
+        opt.step(theta, grads[s] * (1.0 if columns is None else columns), None if bool(active[s].all()) else active[s])
+    for i in range(k):
+        trained = torch.nn.Parameter(theta0[i][columns].clone() if frozen else theta0[i].clone())
+        ref = torch.optim.Adam([trained], lr=lr, weight_decay=wd)
+        for s in range(steps):
+            if not active[s, i]:
+                continue
+            trained.grad = (grads[s, i][columns] if frozen else grads[s, i]).clone()
+            torch.nn.utils.clip_grad_norm_([trained], clip)
+            ref.step()
+        want = theta0[i].clone()
+        want[columns if frozen else slice(None)] = trained.detach()
+        assert torch.allclose(theta[i], want, atol=1e-6), i
+        if frozen:
+            assert torch.equal(theta[i][~columns], theta0[i][~columns])
+
+
+@pytest.mark.parametrize("algo,options", [("fedavg", {}), ("fedprox", {"mu": 0.5}), ("pmixfed", {})])
+def test_adam_clients_equal_sequential(algo, options):
+    """--optimizer adam (pMixFed's papers' settings): each client's weights and loss within rounding
+    of the sequential path, clients of unequal sizes (masked-out steps), 2 epochs, weight decay."""
+    kw = dict(optimizer="adam", momentum=0.0, lr=0.003)
+    start = make_engine(algo, options, **kw).global_state.clone()
+    seq = sequential_clients(make_engine(algo, options, **kw), 0)
+    bat = batched_clients(make_engine(algo, options, **kw), 0, 4)
+    assert_same_clients(seq, bat, start)
+
+
 def test_masked_out_step_changes_nothing():
     torch.manual_seed(1)
     theta = torch.randn(2, 5)
@@ -317,7 +360,6 @@ def test_dropout_and_batchnorm_outside_the_grouped_kernels_are_refused(wrap, mat
 
 
 @pytest.mark.parametrize("kw,algo,match", [
-    (dict(optimizer="adam", momentum=0.0), "fedavg", "sgd only"),
     ({}, "globalmix", "not declared batchable"),
     ({}, "per_fedavg", "not declared batchable"),
 ])
@@ -415,8 +457,8 @@ def test_engine_with_a_channel_books_each_clients_own_payload():
 
 @needs_engine_dispatch
 def test_engine_refuses_a_run_it_cannot_batch_before_training():
-    with pytest.raises(ConfigError, match="sgd only"):
-        make_engine("fedavg", None, clients_at_once=4, optimizer="adam", momentum=0.0)
+    with pytest.raises(ConfigError, match="not declared batchable: its meta-steps"):
+        make_engine("per_fedavg", None, clients_at_once=4)
 
 
 # ----------------------------------------------------------------------------- grouped kernels vs vmap
