@@ -12,7 +12,8 @@
 # plain: issue 41's table: benchmarks/bench_gpu.py --modes plain,seq,batched on cnn, cnn50, lenet5 (the
 #        hand-written loop beside fedhpc sequential and batched, ratios of one run, |w - w_plain|);
 #        PLAIN_REPEATS (default 2) alternations, PLAIN_ROUNDS (default 15) rounds each; then the same
-#        three modes --in-process (rounds interleaved in one process), with cnn_bn_do (BatchNorm + dropout)
+#        three modes --in-process (rounds interleaved in one process), with cnn_bn_do (BatchNorm + dropout);
+#        then benchmarks/bench_batched_families.py --device cuda (sequential vs batched, every family opted in)
 # bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; plain, sequential, batched, ranks sharing)
 # The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
 set -u
@@ -75,6 +76,9 @@ plain)
   timeout 300 $PY benchmarks/bench_gpu.py --in-process --only cnn,cnn50,cnn_bn_do,lenet5 --modes plain,seq,batched \
     --rounds "${PLAIN_ROUNDS:-15}" --warmup 3 --json "$OUT/bench_gpu_plain_inprocess.json" 2>&1 \
     | tee "$OUT/bench_gpu_plain_inprocess.txt"
+  step "bench_batched_families (the families opted in with issue 41, the main job among them)"
+  timeout 300 $PY benchmarks/bench_batched_families.py --device cuda --rounds 10 --warmup 3 \
+    --json "$OUT/bench_batched_families.json" 2>&1 | grep -v '^note' | tee "$OUT/bench_batched_families.txt"
   ;;
 bench)
   step bench_gpu
