@@ -93,6 +93,20 @@ def assert_same_clients(seq, bat, start):
         assert float((seq[cid][0] - start).abs().max()) > 1e-2
 
 
+def assert_own_models_equal(seq, bat, tol=3 * TOL) -> int:
+    """Every client's own model (``client_model``: personal state, an FD device's model, a kept
+    model) in the sequential and the batched engine within ``tol``; returns how many clients had one."""
+    own = 0
+    for cid in range(seq.data.num_clients):
+        a, b = seq.algo.client_model(cid), bat.algo.client_model(cid)
+        assert (a is None) == (b is None), cid
+        if a is not None:
+            own += 1
+            diff = float((a.double() - b.double()).abs().max())
+            assert diff <= tol, f"client {cid}: its own model differs by {diff:.2e}"
+    return own
+
+
 def steps_per_epoch(eng, cids):
     bs = eng.cfg.batch_size
     return [-(-int(eng.data.client(c).num_train) // bs) for c in cids]

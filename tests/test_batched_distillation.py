@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fedhpc.exchanges import label_outputs
-from test_batched import TOL, make_engine, run_rounds
+from test_batched import TOL, assert_own_models_equal, run_rounds
 from test_batched_more import BOTH
 
 #: beta large enough that the distillation term moves the devices' models visibly
@@ -85,14 +85,7 @@ def assert_rounds_equal(seq, bat, m_seq, m_bat, tol=3 * TOL):
     for a, b in zip(m_seq, m_bat):
         assert abs(a["train_loss"] - b["train_loss"]) <= TOL
         assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
-    own = 0
-    for cid in range(seq.data.num_clients):
-        a, b = seq.algo.client_model(cid), bat.algo.client_model(cid)
-        assert (a is None) == (b is None), cid
-        if a is not None:
-            own += 1
-            assert float((a.double() - b.double()).abs().max()) <= tol, cid
-    return own
+    return assert_own_models_equal(seq, bat, tol)
 
 
 @pytest.mark.parametrize("model", ["mlp", "dropout+batchnorm"])

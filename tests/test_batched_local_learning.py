@@ -11,7 +11,6 @@ have a previous model and clients that have none in the same groups.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fedhpc.batched import check_batchable
 from fedhpc.errors import ConfigError

@@ -18,7 +18,7 @@ import torch
 from fedhpc.algorithms.base import derive_seed, seed_torch
 from fedhpc.batched import GroupTraining, check_batchable, train_in_groups
 from fedhpc.round import ClientContext
-from test_batched import TOL, make_engine, round_info, run_rounds
+from test_batched import TOL, assert_own_models_equal, make_engine, round_info, run_rounds
 from test_batched_more import BATCHNORM, BOTH
 
 #: options that make each method do all it can: FedAlt's phases of unequal length (the second phase's
@@ -101,14 +101,7 @@ def test_personal_methods_over_rounds_equal_sequential(algo):
         assert abs(a["train_loss"] - b["train_loss"]) <= TOL
     if algo == "fedbabu":
         seq.algo.final_evaluation = bat.algo.final_evaluation = True
-    own = 0
-    for cid in range(seq.data.num_clients):
-        a, b = seq.algo.client_model(cid), bat.algo.client_model(cid)
-        assert (a is None) == (b is None), cid
-        if a is not None:
-            own += 1
-            assert float((a.float() - b.float()).abs().max()) <= 3 * TOL, cid
-    assert own >= 6  # most clients trained, some twice: the check covers their own states
+    assert assert_own_models_equal(seq, bat) >= 6  # most clients trained, some twice: the check covers their own states
 
 
 def _columns(eng, layers):
