@@ -94,7 +94,7 @@ def main():
     rows = []
     print(f"device {args.device}, torch {torch.__version__}, {args.rounds} timed rounds after {args.warmup}, "
           f"K = {args.k}")
-    print(f"| method | sequential ms | batched ms | sequential / batched | max abs w_seq - w_batched |")
+    print("| method | sequential ms | batched ms | sequential / batched | max abs w_seq - w_batched |")
     print("|---|---:|---:|---:|---:|")
     for name in args.only.split(","):
         row = one_row(name, ROWS[name], args)

@@ -89,7 +89,7 @@ def group_distillation_loss(logits: torch.Tensor, y: torch.Tensor, weight: torch
     """:func:`distillation_loss` of K devices at once (K,): device k's outputs (B, N_L) against
     its own teacher ``teachers[k]`` (a (G_out, mask) pair, or None: no term), each the mean over
     its real rows (``weight`` 1/n_real on them, 0 on padding; the sequential batch mean)."""
-    k, c = logits.shape[0], logits.shape[-1]
+    k = logits.shape[0]
     first = next((t for t in teachers if t is not None), None)
     if first is None:
         return logits.new_zeros(k)
