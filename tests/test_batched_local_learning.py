@@ -14,8 +14,8 @@ import pytest
 
 from fedhpc.batched import check_batchable
 from fedhpc.errors import ConfigError
-from test_batched import (TOL, assert_same_clients, batched_clients, make_engine, round_info, run_rounds,
-                          sequential_clients)
+from test_batched import (TOL, assert_close_or_discrete, assert_rounds_equal, assert_same_clients, batched_clients,
+                          make_engine, round_info, rounds_envelope, run_rounds, sequential_clients)
 
 #: Both at lr 0.01, momentum 0.5 (as tests/test_batched_more.py's residual network): at test_batched.py's
 #: lr 0.05, momentum 0.9 this network amplifies rounding. FedAlign's power iterations in the sequential
@@ -76,10 +76,9 @@ def test_three_rounds_through_the_engine_equal_sequential(algo):
     options, kw = (MOON_OPTIONS, MOON) if algo == "moon" else (FEDALIGN_OPTIONS["rescaled"], FEDALIGN)
     seq, m_seq = run_rounds(1, algo, options, rounds=3, **kw)
     bat, m_bat = run_rounds(4, algo, options, rounds=3, **kw)
-    assert float((seq.global_state - bat.global_state).abs().max()) <= 3 * TOL
+    env = rounds_envelope(seq, algo, options, **kw)  # another CPU's rounding: see assert_close_or_discrete
+    assert_rounds_equal(seq, bat, m_seq, m_bat, env)
     assert float((seq.global_state - make_engine(algo, options, **kw).global_state).abs().max()) > 1e-2
-    for a, b in zip(m_seq, m_bat):
-        assert abs(a["train_loss"] - b["train_loss"]) <= TOL
     if algo == "moon":
         stored = 0
         for cid in range(seq.data.num_clients):
@@ -87,7 +86,9 @@ def test_three_rounds_through_the_engine_equal_sequential(algo):
             assert (a is None) == (b is None), cid
             if a is not None:
                 stored += 1
-                assert float((a.float() - b.float()).abs().max()) <= 3 * TOL, cid
+                assert_close_or_discrete(float((a.float() - b.float()).abs().max()), 3 * TOL,
+                                         env(lambda e, c=cid: e.client_state.get_slot(c, "algo")),
+                                         f"client {cid}'s stored previous model")
         assert stored >= 6
 
 

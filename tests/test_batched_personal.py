@@ -18,7 +18,8 @@ import torch
 from fedhpc.algorithms.base import derive_seed, seed_torch
 from fedhpc.batched import GroupTraining, check_batchable, train_in_groups
 from fedhpc.round import ClientContext
-from test_batched import TOL, assert_own_models_equal, make_engine, round_info, run_rounds
+from test_batched import (ENVELOPE_RUNS, TOL, assert_close_or_discrete, assert_own_models_equal, make_engine,
+                          round_info, run_rounds)
 from test_batched_more import BATCHNORM, BOTH
 
 #: options that make each method do all it can: FedAlt's phases of unequal length (the second phase's
@@ -72,14 +73,27 @@ def test_round_zero_clients_equal_sequential(algo, model):
     seq = sequential_round0(make_engine(algo, PERSONAL[algo], **kw))
     bat = batched_round0(make_engine(algo, PERSONAL[algo], **kw))
     assert list(seq) == list(bat), "clients must come back in the sequential order"
+    reruns = []  # sequential runs from perturbed initial models, made if another CPU's rounding needs them
+
+    def envelope(cid, i):
+        def distances():
+            while len(reruns) < ENVELOPE_RUNS:
+                reruns.append(sequential_round0(make_engine(algo, PERSONAL[algo], perturb=len(reruns), **kw)))
+            return [float((r[cid][i] - seq[cid][i]).abs().max()) for r in reruns]
+        return distances
+
     for cid in seq:
         (w_s, loss_s, n_s, v_s), (w_b, loss_b, n_b, v_b) = seq[cid], bat[cid]
-        assert float((w_s - w_b).abs().max()) <= TOL, cid
-        assert n_s == n_b and abs(loss_s - loss_b) <= TOL * max(1.0, abs(loss_s)), cid
+        diff = float((w_s - w_b).abs().max())
+        assert_close_or_discrete(diff, TOL, envelope(cid, 0), f"client {cid}'s weights")
+        assert n_s == n_b
+        if diff <= TOL:  # after a discrete event the losses part too
+            assert abs(loss_s - loss_b) <= TOL * max(1.0, abs(loss_s)), cid
         assert float((w_s - start).abs().max()) > 1e-2  # the client trained
         assert (v_s is None) == (v_b is None)
         if v_s is not None:  # Ditto's personal model, as its upload saves it
-            assert float((v_s - v_b).abs().max()) <= TOL, cid
+            assert_close_or_discrete(float((v_s - v_b).abs().max()), TOL, envelope(cid, 3),
+                                     f"client {cid}'s personal model")
             assert float((v_s - w_s).abs().max()) > 1e-3  # a model of its own, not the global one
 
 
