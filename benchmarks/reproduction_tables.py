@@ -71,9 +71,13 @@ def name(g: Group) -> str:
     return NAMES.get(setting(g, "algo"), setting(g, "algo"))
 
 
+def plain(algo: str) -> str:
+    """A method as FedMix's and pMixFed's tables call it: FedAvg plain (the others: FL / vanilla FL)."""
+    return "FedAvg" if algo == "fedavg" else NAMES.get(algo, algo)
+
+
 def plain_name(g: Group) -> str:
-    """FedAvg as FedMix's and pMixFed's tables call it (the others: FL / vanilla FL)."""
-    return "FedAvg" if setting(g, "algo") == "fedavg" else name(g)
+    return plain(setting(g, "algo"))
 
 
 def main(argv=None) -> int:
@@ -111,15 +115,15 @@ def main(argv=None) -> int:
 
     g = load(args.sweeps, "pmixfed_table2_mnist5k")
     if g:
-        rows = ["FedAvg" if a == "fedavg" else NAMES[a]
-                for a in ("pmixfed", "fedavg", "fedalt", "fedsim", "fedbabu", "ditto", "per_fedavg", "lg_fedavg")]
+        rows = [plain(a) for a in ("pmixfed", "fedavg", "fedalt", "fedsim", "fedbabu", "ditto", "per_fedavg",
+                                   "lg_fedavg")]
         out += ["### pMixFed Table 2 (MNIST, N = 10, C = 100%) on mnist5k: mean personalised accuracy (%)", "",
                 pivot(g, plain_name, lambda x: "mnist5k [paper]", "local_test_accuracy_mean", rows,
                       ["mnist5k [paper]"], "method"), ""]
 
     g = load(args.sweeps, "fedmix_mnist5k")
     if g:
-        rows = ["FedAvg"] + [NAMES[a] for a in ("fedprox", "localmix", "globalmix", "naivemix", "fedmix")]
+        rows = [plain(a) for a in ("fedavg", "fedprox", "localmix", "globalmix", "naivemix", "fedmix")]
         out += ["### FedMix Table 1's six methods on mnist5k, 2 classes a client: test accuracy (%) "
                 "[paper, FEMNIST]", "",
                 pivot(g, plain_name, lambda x: "mnist5k [paper FEMNIST]", "test_accuracy", rows,

@@ -40,7 +40,7 @@ def write_grid(path: str, header: str, preamble: str, cells: list, minutes: int)
         f.write("\n".join(lines))
 
 
-def table2(columns, path: str = "sweeps/xormixfl_table2_mnist5k.yaml") -> None:
+def table2(columns) -> None:
     cells = []
     for algo in PAPER_ORDER:
         encodes = algo in ("xormixfl", "mixfl")
@@ -56,7 +56,7 @@ def table2(columns, path: str = "sweeps/xormixfl_table2_mnist5k.yaml") -> None:
     which = ("the table's 15 target-label\n# columns (0..9, (0,2), (0,8), (2,4), (4,8), (0,2,4,8))"
              if list(columns) == COLUMNS else
              f"{len(columns)} of the table's 15 target-label columns ({', '.join('(' + c + ')' for c in columns)})")
-    write_grid(path, f"""\
+    write_grid("sweeps/xormixfl_table2_mnist5k.yaml", f"""\
 # XorMixFL paper (003) Table 2 on the embedded real MNIST (launch/xormixfl_mnist5k.yaml says what is
 # scaled: server base set 100 a label / 5 of a target label, devices 2 vs 27, 15 server epochs):
 # XorMixFL, MixFL, vanilla FL and standalone x {which}
