@@ -21,7 +21,7 @@ devices) on which the sum is exact, and G_out has the same bits for any number o
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -63,13 +63,12 @@ class GroupLabelOutputs:
     """
 
     def __init__(self, outputs: Sequence[LabelOutputs]):
-        self.outputs: List[LabelOutputs] = list(outputs)
-        self.num_classes = self.outputs[0].num_classes
-        self.sums = torch.stack([o.sums for o in self.outputs])
-        self.counts = torch.stack([o.counts for o in self.outputs])
-        for o, sums, counts in zip(self.outputs, self.sums, self.counts):
+        self.num_classes = outputs[0].num_classes
+        self.sums = torch.stack([o.sums for o in outputs])
+        self.counts = torch.stack([o.counts for o in outputs])
+        for o, sums, counts in zip(outputs, self.sums, self.counts):
             o.sums, o.counts = sums, counts
-        k, c = len(self.outputs), self.num_classes
+        k, c = len(outputs), self.num_classes
         self.row_base = (torch.arange(k, device=self.sums.device) * c)[:, None]  # device k's rows start at k * N_L
 
     @torch.no_grad()

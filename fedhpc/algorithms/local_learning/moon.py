@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ...batched import grouped_forward, stacked_buffers, weighted_task_loss
+from ...batched import grouped_forward, stacked_buffers, stacked_params, weighted_task_loss
 from ...errors import ConfigError
 from ...flat import FlatModel
 from ...models import model_option_params
@@ -174,9 +174,7 @@ class Moon(LocalRegAlgorithm):
             for name, states in (("global", anchors), ("previous", previous)):
                 net, flat = self.frozen[name]
                 stacked = torch.stack([s.to(flat.flat.dtype) for s in states])
-                k = stacked.shape[0]
-                params = {e.name: stacked[:, e.offset:e.offset + e.numel].view((k,) + tuple(e.shape))
-                          for e in flat.entries if e.is_param}
+                params = stacked_params(flat, stacked, trainable=set())  # read, never differentiated
                 forwards.append(grouped_forward(net, params, stacked_buffers(flat, stacked[:, flat.num_params:])))
             if forwards[0] is None:
                 raise ConfigError(f"moon with --clients-at-once > 1 needs a model whose layers with weights are all "
