@@ -18,7 +18,7 @@ import torch
 from fedhpc.algorithms.base import derive_seed, seed_torch
 from fedhpc.batched import GroupTraining, check_batchable, train_in_groups
 from fedhpc.round import ClientContext
-from test_batched import (ENVELOPE_RUNS, TOL, assert_close_or_discrete, assert_own_models_equal, make_engine,
+from test_batched import (TOL, Round0Envelope, assert_close_or_discrete, assert_own_models_equal, make_engine,
                           round_info, run_rounds)
 from test_batched_more import BATCHNORM, BOTH
 
@@ -73,15 +73,8 @@ def test_round_zero_clients_equal_sequential(algo, model):
     seq = sequential_round0(make_engine(algo, PERSONAL[algo], **kw))
     bat = batched_round0(make_engine(algo, PERSONAL[algo], **kw))
     assert list(seq) == list(bat), "clients must come back in the sequential order"
-    reruns = []  # sequential runs from perturbed initial models, made if another CPU's rounding needs them
-
-    def envelope(cid, i):
-        def distances():
-            while len(reruns) < ENVELOPE_RUNS:
-                reruns.append(sequential_round0(make_engine(algo, PERSONAL[algo], perturb=len(reruns), **kw)))
-            return [float((r[cid][i] - seq[cid][i]).abs().max()) for r in reruns]
-        return distances
-
+    # sequential runs from perturbed initial models, made if another CPU's rounding needs them
+    envelope = Round0Envelope(seq, lambda s: sequential_round0(make_engine(algo, PERSONAL[algo], perturb=s, **kw)))
     for cid in seq:
         (w_s, loss_s, n_s, v_s), (w_b, loss_b, n_b, v_b) = seq[cid], bat[cid]
         diff = float((w_s - w_b).abs().max())
