@@ -163,10 +163,8 @@ def proximal_terms(group: ClientGroup, algo: "Algorithm", mu: float) -> torch.Te
         # one anchor for all: broadcast the global model's views (no (K, P) copy per step)
         anchors = group.flat.param_views(algo.global_state)  # aligned with params (flat.entries order)
     else:
-        stacked = torch.stack(states)  # (K, P): row k client k's own anchor
-        k = stacked.shape[0]
-        anchors = [stacked[:, e.offset:e.offset + e.numel].view((k,) + tuple(e.shape))
-                   for e in group.flat.entries if e.is_param]
+        # (K, P): row k client k's own anchor, read as (K, *shape) views (never differentiated)
+        anchors = list(stacked_params(group.flat, torch.stack(states), trainable=set()).values())
     sq = [(p - a).pow(2).flatten(1).sum(1) for p, a in zip(group.params.values(), anchors)]
     return 0.5 * mu * torch.stack(sq, 1).sum(1)
 
