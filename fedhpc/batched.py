@@ -102,6 +102,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .data.base import ClientData
 from .errors import ConfigError
 from .models import model_option_params
 from .round import ClientContext, RoundInfo
@@ -670,39 +671,50 @@ class EpochBatches:
 
 
 def epoch_batches(ctxs: List[ClientContext], epoch: int, batch_size: int) -> Optional[EpochBatches]:
-    """The clients' own batches of ``epoch`` (ClientContext.batches: same order, same augmentation)."""
-    per_client = [list(ctx.batches(epoch)) for ctx in ctxs]
+    """The clients' own batches of ``epoch`` (ClientContext.batches: same order, same augmentation).
+
+    A client's batches are consecutive chunks of its permutation, so rows [s*B, s*B + n_s) of its
+    padded row hold batch s and only the last batch can be short: without augmentation its whole
+    epoch is one gather of its rows in permutation order (two indexing kernels a client, where
+    batch by batch took two a step and a concatenation; the transform is row-wise then). With
+    augmentation the batches come from ``ctx.batches``, whose generator draws batch by batch."""
     k = len(ctxs)
-    steps = max(len(b) for b in per_client)
+    sizes = [ctx.num_train for ctx in ctxs]
+    steps = max(-(-n // batch_size) for n in sizes)
     if steps == 0:
         return None  # no client of the group has training data: nothing to step
-    xs0 = next(b for b in per_client if b)[0][0]
-    x = torch.zeros((k, steps * batch_size) + tuple(xs0.shape[1:]), dtype=xs0.dtype, device=xs0.device)
-    y = torch.zeros((k, steps * batch_size), dtype=torch.long, device=xs0.device)
-    weights, real = [], []
-    for i, batches in enumerate(per_client):
-        counts = [int(b[1].shape[0]) for b in batches]
+    augments = ctxs[0].algo.data.augments
+    transform = ctxs[0].algo.data.transform
+    if not augments:  # every client's permutation in one host-to-device copy (a blocking one syncs a GPU)
+        perms = torch.cat([ctx.permutation(epoch) for ctx in ctxs]).to(ctxs[0].device).split(sizes)
+    x = y = None
+    real: List[List[int]] = []
+    weights: List[List[float]] = []
+    for i, ctx in enumerate(ctxs):
+        n = sizes[i]
+        counts = [min(batch_size, n - s) for s in range(0, n, batch_size)]
         real.append(counts + [0] * (steps - len(counts)))
         row: List[float] = []
-        for n in real[-1]:  # 1/n on a step's n real rows, 0 on its padding
-            row += [1.0 / n] * n + [0.0] * (batch_size - n) if n else [0.0] * batch_size
+        for c in real[-1]:  # 1/c on a step's c real rows, 0 on its padding
+            row += [1.0 / c] * c + [0.0] * (batch_size - c) if c else [0.0] * batch_size
         weights.append(row)
-        if not batches:
+        if n == 0:
             continue
-        if all(n == batch_size for n in counts[:-1]):
-            # batch s occupies rows [s*B, s*B + n) and only the last can be short: one copy
-            total = sum(counts)
-            x[i, :total] = torch.cat([b[0] for b in batches]) if len(batches) > 1 else batches[0][0]
-            y[i, :total] = torch.cat([b[1] for b in batches]) if len(batches) > 1 else batches[0][1]
+        if augments:
+            batches = list(ctx.batches(epoch, batch_size))
+            bx, by = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         else:
-            for s, (bx, by) in enumerate(batches):
-                x[i, s * batch_size: s * batch_size + counts[s]] = bx
-                y[i, s * batch_size: s * batch_size + counts[s]] = by
-    weight = torch.tensor(weights, dtype=xs0.dtype if xs0.is_floating_point() else torch.float32,
-                          device=xs0.device).view(k, steps, batch_size)
+            bx, by = transform(ctx.data.x[perms[i]], True, None), ctx.data.y[perms[i]]
+        if x is None:
+            x = torch.zeros((k, steps * batch_size) + tuple(bx.shape[1:]), dtype=bx.dtype, device=bx.device)
+            y = torch.zeros((k, steps * batch_size), dtype=torch.long, device=bx.device)
+        x[i, :n] = bx
+        y[i, :n] = by
+    weight = torch.tensor(weights, dtype=x.dtype if x.is_floating_point() else torch.float32,
+                          device=x.device).view(k, steps, batch_size)
     shape = (k, steps, batch_size)
-    counts = torch.tensor(real, dtype=torch.float64, device=xs0.device)
-    return EpochBatches(x.view(shape + tuple(xs0.shape[1:])), y.view(shape), weight, real, steps, counts)
+    counts = torch.tensor(real, dtype=torch.float64, device=x.device)
+    return EpochBatches(x.view(shape + tuple(x.shape[2:])), y.view(shape), weight, real, steps, counts)
 
 
 # --------------------------------------------------------------------------- training a group
@@ -877,8 +889,8 @@ def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], client
         ctxs, starts, downloads, rng = [], [], [], []
         gen = device_generator(engine.world.device)
         draws = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in engine.model.modules())
-        for cid in group_ids:
-            client = engine.data.client(cid).training_on(engine.world.device)
+        on_device = ClientData.all_training_on([engine.data.client(cid) for cid in group_ids], engine.world.device)
+        for cid, client in zip(group_ids, on_device):
             # the per-client seed as in the sequential loop: a download drawing from torch's
             # generator draws the same numbers here
             seed_torch(derive_seed(cfg.seed, "client", rnd.index, cid), engine.world.device)
@@ -894,6 +906,7 @@ def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], client
                 rng.append(gen.get_state())
         trained = algo.batched_local_update(GroupTraining(algo, engine.model, flat, ctxs, torch.stack(starts),
                                                          rng if draws else None))
+        ClientContext.settle_losses(ctxs)  # the engine's non-finite guard: one device sync for the group
         share = (time.perf_counter() - g0) / len(group_ids)
         for i, (cid, ctx) in enumerate(zip(group_ids, ctxs)):
             flat.load_(trained[i])

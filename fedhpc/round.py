@@ -88,6 +88,7 @@ class ClientContext:
         self.ledger = algo.ledger
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=algo.device)
         self.samples = 0
+        self._loss_read: Optional[float] = None
         self.extra: Dict[str, Any] = {}
 
     @property
@@ -107,8 +108,7 @@ class ClientContext:
         """
         bs = batch_size or self.cfg.batch_size
         n = self.data.num_train
-        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "batches", self.round.index, self.cid, epoch))
-        perm = torch.randperm(n, generator=g).to(self.device)
+        perm = self.permutation(epoch).to(self.device)
         aug = None
         if self.algo.data.augments:
             aug = torch.Generator(device=self.device).manual_seed(
@@ -118,10 +118,29 @@ class ClientContext:
             idx = perm[start: start + bs]
             yield transform(self.data.x[idx], True, aug), self.data.y[idx]
 
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The order of this client's training rows in ``epoch``, on the CPU (where it is drawn):
+        :meth:`batches` cuts it into consecutive mini-batches."""
+        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "batches", self.round.index, self.cid, epoch))
+        return torch.randperm(self.data.num_train, generator=g)
+
     def record(self, loss: torch.Tensor, n: int) -> None:
         """Add a mean batch loss over n samples to this client's training-loss sum."""
         self.loss_sum.add_(loss.detach(), alpha=n)  # one kernel: no device sync per step
         self.samples += n
+
+    def loss_total(self) -> float:
+        """The training-loss sum on the host, once training is over: a device sync, unless a batched
+        group read its clients' sums together (:meth:`settle_losses`)."""
+        if self._loss_read is None:
+            self._loss_read = float(self.loss_sum)
+        return self._loss_read
+
+    @staticmethod
+    def settle_losses(ctxs: List["ClientContext"]) -> None:
+        """Read the trained clients' loss sums in one device sync (a batched group's)."""
+        for ctx, value in zip(ctxs, torch.stack([c.loss_sum for c in ctxs]).tolist()):
+            ctx._loss_read = value
 
     def load_state(self, default: Any = None) -> Any:
         """This client's state from earlier rounds (whichever rank trained it), or ``default``."""

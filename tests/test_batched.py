@@ -431,18 +431,30 @@ def test_padding_is_the_mean_over_real_samples_only():
     assert torch.equal(loss, loss2) and torch.equal(g[:, :3], g2[:, :3]) and float(g2[0, 3].abs().max()) == 0
 
 
-def test_epoch_batches_are_each_clients_own_batches():
+@pytest.mark.parametrize("augments", [False, True])
+def test_epoch_batches_are_each_clients_own_batches(augments, monkeypatch):
+    """Batch by batch as ClientContext.batches yields them, padding 0: without augmentation from one
+    gather of each client's epoch in permutation order, with it (random crops and flips drawn batch
+    by batch) from the batches themselves."""
     eng = make_engine()
+    if augments:
+        from fedhpc.data.augment import ImageTransform
+        monkeypatch.setattr(eng.data, "transform", ImageTransform(crop_padding=2, flip=True), raising=False)
+        assert eng.algo.data.augments
     rnd = round_info(eng, 0)
     ctxs = [ClientContext(eng.algo, c, eng.data.client(c).training_on(eng.world.device), rnd) for c in rnd.my_clients[:3]]
     eb = epoch_batches(ctxs, 1, eng.cfg.batch_size)
     for i, ctx in enumerate(ctxs):
         own = list(ctx.batches(1))
         assert eb.real[i] == [len(b[1]) for b in own] + [0] * (eb.steps - len(own))
-        for s, (bx, by) in enumerate(own):
+        for s in range(eb.steps):
+            bx, by = own[s] if s < len(own) else (eb.x[i, s, :0], eb.y[i, s, :0])
             n = len(by)
             assert torch.equal(eb.x[i, s, :n], bx) and torch.equal(eb.y[i, s, :n], by)
-            assert torch.allclose(eb.weight[i, s].sum(), torch.tensor(1.0)) and float(eb.weight[i, s, n:].sum()) == 0
+            assert not eb.x[i, s, n:].any() and not eb.y[i, s, n:].any()  # padding rows hold 0
+            if n:
+                assert torch.allclose(eb.weight[i, s].sum(), torch.tensor(1.0))
+            assert float(eb.weight[i, s, n:].sum()) == 0
 
 
 def test_batched_fedmix_loss_equals_fedmix_loss_per_client():

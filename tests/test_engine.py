@@ -4,6 +4,7 @@
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedhpc.algorithms.base import derive_seed
 from fedhpc.config import RunConfig
@@ -152,12 +153,80 @@ def test_assignment_covers_sampled_and_balances_load(world):
     assert max(loads) - sum(loads) / world <= max(sizes[c] for c in sampled)
 
 
-def test_nan_loss_stops_with_a_clear_message():
-    eng = make_engine(num_clients=4, clients_per_round=2, rounds=3, lr=1e30)
+@pytest.mark.parametrize("clients_at_once", [1, 2])
+def test_nan_loss_stops_with_a_clear_message(clients_at_once):
+    """Sequential clients and a batched group (whose losses are read in one sync) alike."""
+    eng = make_engine(num_clients=4, clients_per_round=2, rounds=3, lr=1e30, clients_at_once=clients_at_once)
     with pytest.raises(NonFiniteLossError) as e:
         eng.run()
     msg = str(e.value)
     assert "NaN or infinite" in msg and "--lr" in msg and "round 1" in msg
+    assert "client(s) [" in msg and msg.split("client(s) [")[1].split("]")[0]  # names them
+
+
+@pytest.mark.parametrize("clients_at_once", [1, 4])
+def test_a_nan_loss_is_pinned_on_its_own_client(clients_at_once, monkeypatch):
+    """A client whose inputs are NaN is the one named, whether it trained alone or in a batched group
+    whose losses were read together."""
+    eng = make_engine(num_clients=8, clients_per_round=4, rounds=1, clients_at_once=clients_at_once)
+    bad = sample_clients(eng.cfg.seed, 0, 8, 4)[2]
+    original = eng.data.client
+
+    def client(cid):
+        c = original(cid)
+        if cid == bad:
+            c.x = torch.full(c.x.shape, float("nan"))
+        return c
+
+    monkeypatch.setattr(eng.data, "client", client)
+    with pytest.raises(NonFiniteLossError, match=rf"client\(s\) \[{bad}\] "):
+        eng.run_round(0)
+
+
+def test_a_groups_clients_move_to_the_device_together():
+    """ClientData.all_training_on: every client's training rows and labels, in order, as views of two
+    tensors moved at once ('meta' stands in for a GPU: shapes and order; on the CPU nothing moves)."""
+    eng = make_engine(num_clients=6, clients_per_round=3, rounds=1)
+    from fedhpc.data.base import ClientData
+    clients = [eng.data.client(c) for c in (4, 0, 5)]
+    moved = ClientData.all_training_on(clients, torch.device("meta"))
+    assert [m.cid for m in moved] == [4, 0, 5]
+    for c, m in zip(clients, moved):
+        assert m.x.device.type == "meta" and m.x.shape == c.x.shape and m.y.shape == c.y.shape
+        assert m.x_test is c.x_test  # the local test split stays on the host
+    assert moved[1].x.data_ptr() == moved[0].x.data_ptr() + moved[0].x.nbytes  # one tensor, in order
+    on_cpu = ClientData.all_training_on(clients, torch.device("cpu"))
+    assert all(a.x is c.x for a, c in zip(on_cpu, clients))
+
+
+class CountItems(TorchDispatchMode):
+    """Counts the operators that copy a device scalar to the host (``item``, ``float(t)``): on a GPU
+    each waits for everything queued before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket is torch.ops.aten._local_scalar_dense
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batched_group_reads_its_clients_losses_in_one_sync():
+    """The non-finite guard reads every client's training loss on the host: one read a client in the
+    sequential loop, one for a whole batched group; the round's other reads (its metrics) do not
+    grow with the clients, whose per-client sums (samples, weights, times) add up on the host."""
+    def reads(clients, at_once):
+        eng = make_engine(num_clients=8, clients_per_round=clients, rounds=2, clients_at_once=at_once)
+        eng.run_round(0)
+        with CountItems() as count:
+            eng.run_round(1)
+        return count.n
+
+    assert reads(6, 6) == reads(2, 2)  # one group each
+    assert reads(6, 1) - reads(2, 1) == 4  # one a client
+    # the group's clients are read by one tolist() (no operator on the CPU: a D2H copy on a GPU)
+    assert reads(6, 6) == reads(6, 1) - 6
 
 
 def test_flat_model_round_trip_and_state_dict():
