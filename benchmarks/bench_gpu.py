@@ -277,50 +277,65 @@ def run_one(name, mode, args, tmp, repeat=0):
     return res
 
 
+class InProcessRounds:
+    """The workload's plain, seq and batched runs side by side in this process: Engines from the rows'
+    launcher arguments (``run_round``) and the plain loop (:func:`plain_round`) on the seq engine's data,
+    cohorts and initial weights. ``run(mode, t)`` runs round ``t`` of one; ``sync()`` waits for the GPU."""
+
+    def __init__(self, name, modes, args):
+        from fedhpc.config import parse_args
+        from fedhpc.engine import Engine
+        from fedhpc.models import build_model
+        from fedhpc.world import World
+
+        w = WORKLOADS[name]
+        base = ["--device", args.device, *COMMON, *w["args"], "--clients-per-round", str(w["per_round"]),
+                "--rounds", str(args.rounds), "--no-out"] + (["--threads", str(args.threads)] if args.threads else [])
+        self.engines, self.plain = {}, None
+        for mode in ("seq", "batched"):
+            if mode in modes:
+                extra = ["--clients-at-once", str(w["per_round"])] if mode == "batched" else []
+                cfg, ao, do = parse_args(base + extra)
+                self.engines[mode] = Engine(cfg, ao, do, World(cfg.device, cfg.threads, cfg.collective_timeout,
+                                                               cfg.collective_backend, cfg.deterministic))
+        cfg, ao, do = parse_args(base)
+        self.cfg = cfg
+        if "plain" in modes:
+            eng = self.engines.get("seq") or Engine(cfg, ao, do, World(cfg.device, cfg.threads, cfg.collective_timeout,
+                                                                        cfg.collective_backend, cfg.deterministic))
+            device = eng.world.device
+            model = build_model(eng.model_name, eng.data.model_input_shape(train=True), eng.data.num_classes,
+                                cfg.model_options).to(device)
+            self.plain = {"data": eng.data, "model": model, "device": device,
+                          "sd": {k: v.clone().to(device) for k, v in eng.flat.state_dict_from(eng.global_state).items()}}
+        device = next(iter(self.engines.values())).world.device if self.engines else self.plain["device"]
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.order = [m for m in MODES if m in modes and m in ("plain", "seq", "batched")]
+
+    def run(self, mode, t):
+        if mode == "plain":
+            p = self.plain
+            p["sd"] = plain_round(p["model"], p["sd"], p["data"], self.cfg, t, p["device"])
+        else:
+            self.engines[mode].run_round(t)
+
+
 def in_process(name, modes, args):
     """``--in-process``: the workload's plain, seq and batched rounds in this one process, interleaved round
     by round (the order rotating each round), as bench_round.py and bench_batched.py measure on the CPU:
     on a machine shared with other work a slow spell then hits every mode alike. Engines from the rows'
     launcher arguments; only ``run_round`` and the plain round are timed (synchronised on a GPU).
     Returns one row per mode, its ratios the medians of the per-round ratios."""
-    from fedhpc.config import parse_args
-    from fedhpc.engine import Engine
-    from fedhpc.models import build_model
-    from fedhpc.world import World
-
-    w = WORKLOADS[name]
-    base = ["--device", args.device, *COMMON, *w["args"], "--clients-per-round", str(w["per_round"]),
-            "--rounds", str(args.rounds), "--no-out"] + (["--threads", str(args.threads)] if args.threads else [])
-    engines, plain = {}, None
-    for mode in ("seq", "batched"):
-        if mode in modes:
-            extra = ["--clients-at-once", str(w["per_round"])] if mode == "batched" else []
-            cfg, ao, do = parse_args(base + extra)
-            engines[mode] = Engine(cfg, ao, do, World(cfg.device, cfg.threads, cfg.collective_timeout,
-                                                      cfg.collective_backend, cfg.deterministic))
-    cfg, ao, do = parse_args(base)
-    if "plain" in modes:
-        eng = engines.get("seq") or Engine(cfg, ao, do, World(cfg.device, cfg.threads, cfg.collective_timeout,
-                                                               cfg.collective_backend, cfg.deterministic))
-        device = eng.world.device
-        model = build_model(eng.model_name, eng.data.model_input_shape(train=True), eng.data.num_classes,
-                            cfg.model_options).to(device)
-        plain = {"data": eng.data, "model": model, "device": device,
-                 "sd": {k: v.clone().to(device) for k, v in eng.flat.state_dict_from(eng.global_state).items()}}
-    device = next(iter(engines.values())).world.device if engines else plain["device"]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    order = [m for m in MODES if m in modes and m in ("plain", "seq", "batched")]
+    rounds = InProcessRounds(name, modes, args)
+    engines, plain, order = rounds.engines, rounds.plain, rounds.order
     times = {m: [] for m in order}
     for t in range(args.rounds):
         turn = order[t % len(order):] + order[:t % len(order)]
         for mode in turn:
-            sync()
+            rounds.sync()
             t0 = time.perf_counter()
-            if mode == "plain":
-                plain["sd"] = plain_round(plain["model"], plain["sd"], plain["data"], cfg, t, plain["device"])
-            else:
-                engines[mode].run_round(t)
-            sync()
+            rounds.run(mode, t)
+            rounds.sync()
             if t >= args.warmup:
                 times[mode].append(time.perf_counter() - t0)
     finals = {m: e.flat.state_dict_from(e.global_state) for m, e in engines.items()}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of issues 12 and 14, run on a lent device machine from the repository root:
 #   bash benchmarks/gpu/checks.sh [tests] [standard] [kernels] [ops] [bench] [plain]   (logs under $OUT, default /tmp/fedhpc-gpu)
-#   bash benchmarks/gpu/checks.sh all      # = tests standard ops plain bench: everything the GPU side needs, in one command
+#   bash benchmarks/gpu/checks.sh all      # = tests standard ops plain profile bench: everything the GPU side needs, in one command
 # tests: environment, the CUDA extension's JIT build, then on the GPU (the tests' device "auto"
 #        picks it): tests/test_ops.py, tests/test_batched*.py (every family opted in), tests/test_distributed.py (under the
 #        machine's Open MPI), tests/test_engine.py, and the GPU-only tests elsewhere (the
@@ -14,6 +14,10 @@
 #        PLAIN_REPEATS (default 2) alternations, PLAIN_ROUNDS (default 15) rounds each; then the same
 #        three modes --in-process (rounds interleaved in one process), with cnn_bn_do (BatchNorm + dropout);
 #        then benchmarks/bench_batched_families.py --device cuda (sequential vs batched, every family opted in)
+# profile: benchmarks/profile_round.py --device cuda: what a round of the plain loop, fedhpc sequential and
+#        batched launches and waits for (kernels, syncs, copies, cudaMalloc/Free a round; the operators and
+#        kernels seq runs beyond plain), Chrome traces under $OUT/traces: where the sequential path's
+#        1.5-2x of the plain loop on the H200 goes (issue 41 s.2)
 # bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; plain, sequential, batched, ranks sharing)
 # The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
 set -u
@@ -32,7 +36,7 @@ export FEDHPC_TEST_NO_CUDA_EMULATION=1
 PY=${PY:-python3}
 step() { echo "== $1 ($(date +%T))"; }
 stages=("${@:-tests}")
-[ "${stages[*]}" = all ] && stages=(tests standard ops plain bench)
+[ "${stages[*]}" = all ] && stages=(tests standard ops plain profile bench)
 for stage in "${stages[@]}"; do
 case $stage in
 tests)
@@ -80,12 +84,17 @@ plain)
   timeout 300 $PY benchmarks/bench_batched_families.py --device cuda --rounds 10 --warmup 3 \
     --json "$OUT/bench_batched_families.json" 2>&1 | grep -v '^note' | tee "$OUT/bench_batched_families.txt"
   ;;
+profile)
+  step "profile_round (plain, seq, batched under torch.profiler)"
+  timeout 300 $PY benchmarks/profile_round.py --device cuda --only cnn,lenet5 --rounds 3 --warmup 3 \
+    --trace-dir "$OUT/traces" --json "$OUT/profile_round.json" 2>&1 | grep -v '^USDT' | tee "$OUT/profile_round.txt"
+  ;;
 bench)
   step bench_gpu
   timeout 400 $PY benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
   ;;
 *)
-  echo "unknown stage $stage: choose from tests standard kernels ops plain bench all" >&2; exit 2
+  echo "unknown stage $stage: choose from tests standard kernels ops plain profile bench all" >&2; exit 2
   ;;
 esac
 done
