@@ -95,6 +95,13 @@ def test_what_a_bare_run_resolves_to_on_digits():
     for algo in ("xormixfl", "mixfl", "standalone"):
         _, _, data = bare(algo)
         assert (data.server_per_label, data.server_deficient, data.server_deficient_count) == (40, "0", 2), algo
+    # ... and one round, where the run gives none: their server trains once, in the first round
+    for algo in ("xormixfl", "mixfl", "standalone"):
+        cfg, _, _ = bare(algo)
+        assert cfg.rounds == 1 and "rounds 1 (one-shot: the server trains once, in the first round)" in \
+            cfg.auto_resolved, algo
+    assert bare("xormixfl", "--rounds", "3")[0].rounds == 3
+    assert bare("fedavg")[0].rounds == bare("fd")[0].rounds == 20  # RunConfig's, for the others
     _, _, data = bare("standalone", "--data-opt", "server_per_label=7")
     assert (data.server_per_label, data.server_deficient, data.server_deficient_count) == (7, "", 0)
     _, _, data = bare("fedavg")

@@ -12,6 +12,8 @@ gets the dataset's and the method's own:
   (``Algorithm.auto_model_options``: MOON's projection head);
 * run settings the dataset sets for itself (``DatasetSpec.settings``: digits' lr and epochs) where
   neither the file nor the flags set them;
+* run settings a method sets for itself (``Algorithm.auto_settings``: the one-shot methods' single
+  round) where neither the file nor the flags set them;
 * data options a method needs (``Algorithm.auto_data_options``: the one-shot methods' server base
   set) where the run gave none of them;
 * algorithm options a method resolves for the run (``Algorithm.auto_options``: FLD's K_s scaled
@@ -46,6 +48,11 @@ def apply_auto(cfg, algo_cls, data_spec, given: Dict[str, Any]) -> List[str]:
         if key not in given and getattr(cfg, key) != value:
             setattr(cfg, key, value)
             said.append(f"{key} {value} (the {cfg.dataset} default)")
+    # run settings a method sets for itself (the one-shot methods: one round) where the run sets none
+    for key, (value, why) in dict(getattr(algo_cls, "auto_settings", {}) or {}).items():
+        if key not in given and getattr(cfg, key) != value:
+            setattr(cfg, key, value)
+            said.append(f"{key} {value} ({why})")
     # the model a method needs, where the dataset has one of that kind
     kind = getattr(algo_cls, "auto_model_kind", "")
     if cfg.model == "auto" and kind and data_spec.models.get(kind):

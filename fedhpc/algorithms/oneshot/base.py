@@ -180,6 +180,9 @@ class OneShotServer(Algorithm):
     #: (digits about 143 per label, mnist5k 400); the devices share out the rest of the pool
     auto_data_options = {"server_per_label": 40, "server_deficient": "0", "server_deficient_count": 2}
     auto_data_options_why = "the server's base set: XorMixFL Table 2's 1:20, target label 0, at digits scale"
+    #: run settings of a run that sets none of them (:mod:`fedhpc.config.auto`): one round, as the
+    #: launch files have it: the model is trained in the first round, later rounds change nothing
+    auto_settings = {"rounds": (1, "one-shot: the server trains once, in the first round")}
     #: whether uploads are linear mixes of raw samples (recoverable given one part): the audit's flag
     linear_mix = False
 
