@@ -3,13 +3,17 @@ data distributions, 3 seeds, from launch/mix2fld_digits.yaml.
 
 Every run goes the full ``--rounds`` (no early stop) so that both figures come from one run:
 the reference device's accuracy at the end, and the convergence time, i.e. the simulated
-time (channel delays + measured compute, ``sim_seconds_total``) of the first round whose
-global state changed by less than epsilon (the paper's rule; rounds in which no upload
-arrived do not count), with the reference device's accuracy at that round.
+time (``sim_seconds_total``: channel slots + the launch file's compute model, samples processed
+times a device's or the server's seconds per sample) of the first round whose global state
+changed by less than epsilon (the paper's rule; rounds in which no upload arrived do not
+count), with the reference device's accuracy at that round.
 
 The channel's time budget is run under both readings of Sec. II-C: ``half`` (T_max split
 equally between uplink and downlink, the text's reading and fedhpc's default) and ``full``
-(T_max per direction). Under ``half`` an FL upload of this model never gets through.
+(T_max per direction). Under the launch file's uplink reading (``uplink_bandwidth: dedicated``:
+W N_ch per device) FL's upload of this model gets through under either budget (outage 0.0067
+asymmetric under ``half``); under the literal FDMA share (``--channel-opt uplink_bandwidth=fdma``)
+it gets through under neither (tests/test_channel_reading.py).
 
     python benchmarks/compare_mix2fld.py [--seeds 0 1 2] [--rounds 20] [--jobs 2] [--out runs/compare_mix2fld]
 """
