@@ -2,6 +2,8 @@
 # The GPU half of issues 12 and 14, run on a lent device machine from the repository root:
 #   bash benchmarks/gpu/checks.sh [tests] [standard] [kernels] [ops] [bench] [plain]   (logs under $OUT, default /tmp/fedhpc-gpu)
 #   bash benchmarks/gpu/checks.sh all      # = tests standard ops plain profile bench: everything the GPU side needs, in one command
+#   bash benchmarks/gpu/checks.sh acceptance   # what issues 41 and 42 still need, in one call of under 10 minutes
+#                                              # (a session's device time is 15 minutes, machine start included)
 # tests: environment, the CUDA extension's JIT build, then on the GPU (the tests' device "auto"
 #        picks it): tests/test_ops.py, tests/test_batched*.py (every family opted in), tests/test_distributed.py (under the
 #        machine's Open MPI), tests/test_engine.py, and the GPU-only tests elsewhere (the
@@ -19,6 +21,11 @@
 #        kernels seq runs beyond plain), Chrome traces under $OUT/traces: where the sequential path's
 #        1.5-2x of the plain loop on the H200 goes (issue 41 s.2)
 # bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; plain, sequential, batched, ranks sharing)
+# acceptance: the open acceptance points, most needed first, each cut to fit one call: env and the
+#        extension build; issue 42's (a') (test_algorithm_standard -k gpu: every algorithm's round on
+#        CUDA against its CPU round); issue 41's table in one process (plain, seq, batched: cnn, cnn50,
+#        lenet5, 12 rounds); the batched families (6 rounds); the profile (2 rounds); the batched
+#        equality tests on CUDA. Logs and JSON under $OUT as the other stages write them.
 # The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
 set -u
 OUT=${OUT:-/tmp/fedhpc-gpu}; mkdir -p "$OUT"
@@ -84,6 +91,30 @@ plain)
   timeout 300 $PY benchmarks/bench_batched_families.py --device cuda --rounds 10 --warmup 3 \
     --json "$OUT/bench_batched_families.json" 2>&1 | grep -v '^note' | tee "$OUT/bench_batched_families.txt"
   ;;
+acceptance)
+  step env
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    $PY -c "import torch,sys;print('torch',torch.__version__,'cuda',torch.version.cuda,torch.cuda.get_device_name(),'python',sys.version.split()[0])"
+  } 2>&1 | tee "$OUT/env.txt"
+  step "extension build"
+  ( time timeout 150 $PY -m fedhpc.ops ) 2>&1 | tee "$OUT/ops_backend.txt" | tail -4
+  step "issue 42 (a'): every algorithm on CUDA against its CPU round"
+  timeout 150 $PY -m pytest -q -rf -p no:cacheprovider -n 8 tests/test_algorithm_standard.py -k gpu 2>&1 \
+    | tee "$OUT/test_standard_gpu.txt" | tail -8
+  step "issue 41: plain, seq, batched in one process"
+  timeout 120 $PY benchmarks/bench_gpu.py --in-process --only cnn,cnn50,lenet5 --modes plain,seq,batched \
+    --rounds 12 --warmup 3 --json "$OUT/bench_gpu_plain_inprocess.json" 2>&1 | tee "$OUT/bench_gpu_plain_inprocess.txt" | tail -12
+  step "issue 41: the batched families"
+  timeout 100 $PY benchmarks/bench_batched_families.py --device cuda --rounds 6 --warmup 2 \
+    --json "$OUT/bench_batched_families.json" 2>&1 | grep -v '^note' | tee "$OUT/bench_batched_families.txt" | tail -12
+  step "issue 41: the profile"
+  timeout 60 $PY benchmarks/profile_round.py --device cuda --only cnn,lenet5 --rounds 2 --warmup 2 \
+    --trace-dir "$OUT/traces" --json "$OUT/profile_round.json" 2>&1 | grep -v '^USDT' | tee "$OUT/profile_round.txt" | head -12
+  step "issue 41: batched equality tests on CUDA"
+  timeout 120 $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_batched.py tests/test_batched_more.py \
+    tests/test_batched_distillation.py tests/test_batched_personal.py tests/test_batched_local_learning.py 2>&1 \
+    | tee "$OUT/test_batched_gpu.txt" | tail -6
+  ;;
 profile)
   step "profile_round (plain, seq, batched under torch.profiler)"
   timeout 300 $PY benchmarks/profile_round.py --device cuda --only cnn,lenet5 --rounds 3 --warmup 3 \
@@ -94,7 +125,7 @@ bench)
   timeout 400 $PY benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
   ;;
 *)
-  echo "unknown stage $stage: choose from tests standard kernels ops plain profile bench all" >&2; exit 2
+  echo "unknown stage $stage: choose from tests standard kernels ops plain profile bench acceptance all" >&2; exit 2
   ;;
 esac
 done
