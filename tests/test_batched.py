@@ -457,6 +457,22 @@ def test_epoch_batches_are_each_clients_own_batches(augments, monkeypatch):
             assert float(eb.weight[i, s, n:].sum()) == 0
 
 
+def test_a_groups_rows_are_joined_without_a_copy_when_they_lie_in_one_tensor():
+    """epoch_batches' _joined: the views ClientData.all_training_on leaves (one tensor split by client,
+    an empty client among them) are read in place; separate tensors are concatenated."""
+    from fedhpc.batched import _joined
+
+    whole = torch.arange(24.0).view(12, 2)
+    parts = list(whole.split([5, 0, 4, 3]))
+    joined = _joined(parts)
+    assert torch.equal(joined, whole) and joined.data_ptr() == whole.data_ptr()
+    apart = [p.clone() for p in parts]
+    copied = _joined(apart)
+    assert torch.equal(copied, whole) and copied.data_ptr() != apart[0].data_ptr()
+    shuffled = [parts[2], parts[0]]  # one storage, not in order: a copy, in the order given
+    assert torch.equal(_joined(shuffled), torch.cat(shuffled))
+
+
 def test_batched_fedmix_loss_equals_fedmix_loss_per_client():
     """Eq. 5 for K clients at once == fedmix_loss on each client's unpadded batch, value and
     weight gradient (the second-order l3 term included), clients of 5 and 3 real rows."""
