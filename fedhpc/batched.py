@@ -102,7 +102,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data.base import ClientData
+from .data.base import ClientData, host_to_device
 from .errors import ConfigError
 from .models import model_option_params
 from .round import ClientContext, RoundInfo
@@ -729,7 +729,7 @@ def epoch_batches(ctxs: List[ClientContext], epoch: int, batch_size: int) -> Opt
         for i, ctx in enumerate(ctxs):
             index[i, :sizes[i]] = ctx.permutation(epoch) + start
             start += sizes[i]
-        index = index.to(xs.device)  # one host-to-device copy for the group (a blocking one syncs a GPU)
+        index = host_to_device(index, xs.device)  # one copy for the group
         x = torch.cat([xs, xs.new_zeros((1,) + tuple(xs.shape[1:]))])[index]
         y = torch.cat([ys, ys.new_zeros(1)])[index].to(torch.long)
     weight = torch.tensor(weights, dtype=x.dtype if x.is_floating_point() else torch.float32,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .data.base import host_to_device
 from .seeding import derive_seed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,7 +109,7 @@ class ClientContext:
         """
         bs = batch_size or self.cfg.batch_size
         n = self.data.num_train
-        perm = self.permutation(epoch).to(self.device)
+        perm = host_to_device(self.permutation(epoch), self.device)
         aug = None
         if self.algo.data.augments:
             aug = torch.Generator(device=self.device).manual_seed(
