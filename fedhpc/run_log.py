@@ -232,21 +232,22 @@ class RunLog:
 
     def _final_line(self, final: Dict[str, float]) -> str:
         partial = getattr(getattr(self, "algo", None), "global_model_is_partial", False)
+        rounds = f"{self.stop_round} round{'' if self.stop_round == 1 else 's'}"  # one-shot runs: "1 round"
         if "test_accuracy" in final and partial and "local_test_accuracy_mean" in final:
             # the global state's personal layers are the initial ones: the clients' models are the result
             line = (f"final mean accuracy of the clients' own models {final['local_test_accuracy_mean']:.4f} (their "
-                    f"local splits) after {self.stop_round} rounds; the global model (trained shared part, initial "
+                    f"local splits) after {rounds}; the global model (trained shared part, initial "
                     f"personal part): test accuracy {final['test_accuracy']:.4f}")
         elif "test_accuracy" in final:
             line = (f"final test accuracy {final['test_accuracy']:.4f} (test loss {final['test_loss']:.4f}) "
-                    f"after {self.stop_round} rounds")
+                    f"after {rounds}")
             if "local_test_accuracy_global_model" in final:  # clients kept models of their own
                 line += (f"; clients' own models on their splits: mean accuracy "
                          f"{final['local_test_accuracy_mean']:.4f}")
         else:  # no global model (FD): the devices' own models are the result
             own = (f" mean accuracy of the devices' own models {final['local_test_accuracy_mean']:.4f} (their "
                    f"local splits)" if "local_test_accuracy_mean" in final else "")
-            line = f"final{own} after {self.stop_round} rounds; {self.cfg.algo} trains no global model"
+            line = f"final{own} after {rounds}; {self.cfg.algo} trains no global model"
         if "reference_device_accuracy" in final:
             line += f"; reference device {self.reference_device}: accuracy {final['reference_device_accuracy']:.4f}"
         if "sim_seconds_total" in final:

@@ -215,3 +215,6 @@ def test_the_final_line_leads_with_the_model_the_method_ends_with():
     # the channel's per-sample rates (the launch files'), not this machine's clock
     run.channel = SimpleNamespace(models_compute=lambda: True)
     assert RunLog._final_line(run, fd_final).endswith("convergence time 1.50 s (simulated channel + compute model)")
+    run.stop_round = 1  # a one-shot run: "1 round"
+    assert RunLog._final_line(run, fd_final).startswith(
+        "final mean accuracy of the devices' own models 0.8500 (their local splits) after 1 round; fd trains")
