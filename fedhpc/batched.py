@@ -670,18 +670,25 @@ class EpochBatches:
     counts: torch.Tensor   # (K, S) float64: ``real`` as a tensor (for the loss sums)
 
 
-def _joined(parts: List[torch.Tensor]) -> torch.Tensor:
-    """``parts`` (of one dtype and row shape) as one tensor along rows: a view when they lie one after
-    another in one storage (a group's training rows moved together: ClientData.all_training_on),
-    else a copy."""
+def _span(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The one tensor ``parts`` (of one dtype and row shape, at least one row in all) are the rows of,
+    in order, as a view, when they lie one after another in one storage; else None."""
     parts = [p for p in parts if p.shape[0] > 0]
     first = parts[0]
-    if len(parts) > 1 and all(p.is_contiguous() for p in parts) \
-            and len({p.untyped_storage().data_ptr() for p in parts}) == 1 \
+    if len(parts) == 1:
+        return first
+    if all(p.is_contiguous() for p in parts) and len({p.untyped_storage().data_ptr() for p in parts}) == 1 \
             and all(b.data_ptr() == a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
         rows = sum(p.shape[0] for p in parts)
         return first.as_strided((rows,) + tuple(first.shape[1:]), first.stride(), first.storage_offset())
-    return first if len(parts) == 1 else torch.cat(parts)
+    return None
+
+
+def _joined(parts: List[torch.Tensor]) -> torch.Tensor:
+    """``parts`` as one tensor along rows: read in place when they lie one after another in one storage
+    (a group's training rows moved together: ClientData.all_training_on), else a copy."""
+    span = _span(parts)
+    return span if span is not None else torch.cat(parts)
 
 
 def epoch_batches(ctxs: List[ClientContext], epoch: int, batch_size: int) -> Optional[EpochBatches]:
@@ -859,8 +866,12 @@ def train_group(algo: "Algorithm", model: nn.Module, flat, ctxs: List[ClientCont
             loss_sums.add_(losses.detach().double() * eb.counts[:, s])  # a masked-out client adds 0 * its 0 loss
         for i, ctx in enumerate(ctxs):
             ctx.samples += sum(eb.real[i])
-    for i, ctx in enumerate(ctxs):
-        ctx.loss_sum.add_(loss_sums[i])
+    group_sums = _span([ctx.loss_sum.view(1) for ctx in ctxs])
+    if group_sums is not None:  # the elements of one tensor (train_in_groups' contexts): one kernel
+        group_sums.add_(loss_sums)
+    else:
+        for i, ctx in enumerate(ctxs):
+            ctx.loss_sum.add_(loss_sums[i])
     step.set(None, 0)
     return stacked.states()
 
@@ -912,12 +923,14 @@ def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], client
         gen = device_generator(engine.world.device)
         draws = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in engine.model.modules())
         on_device = ClientData.all_training_on([engine.data.client(cid) for cid in group_ids], engine.world.device)
+        # the clients' training-loss sums: the elements of one tensor (one zeroing, one add a phase)
+        loss_sums = torch.zeros(len(group_ids), dtype=torch.float64, device=engine.world.device)
         for cid, client in zip(group_ids, on_device):
             # the per-client seed as in the sequential loop: a download drawing from torch's
             # generator draws the same numbers here
             seed_torch(derive_seed(cfg.seed, "client", rnd.index, cid), engine.world.device)
             flat.load_(engine.global_state)
-            ctx = ClientContext(algo, cid, client, rnd)
+            ctx = ClientContext(algo, cid, client, rnd, loss_sums[len(ctxs)])
             before = algo.ledger.values.clone()
             algo.download(ctx)  # may load a model the device kept (channel model)
             algo.batched_downloaded(ctx)  # what else the download loaded, kept before the next one's

@@ -81,13 +81,16 @@ class Upload:
 class ClientContext:
     """Everything an algorithm sees while one client trains."""
 
-    def __init__(self, algo: "Algorithm", cid: int, data: "ClientData", rnd: RoundInfo):
+    def __init__(self, algo: "Algorithm", cid: int, data: "ClientData", rnd: RoundInfo,
+                 loss_sum: Optional[torch.Tensor] = None):
+        """``loss_sum``: a float64 zero scalar on the device to add the training loss into (a batched
+        group's clients get the elements of one tensor); default a fresh one."""
         self.algo, self.cid, self.data, self.round = algo, cid, data, rnd
         self.cfg = algo.cfg
         self.device = algo.device
         self.lr = rnd.lr
         self.ledger = algo.ledger
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=algo.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=algo.device) if loss_sum is None else loss_sum
         self.samples = 0
         self._loss_read: Optional[float] = None
         self.extra: Dict[str, Any] = {}
