@@ -921,16 +921,16 @@ def train_in_groups(engine: "Engine", rnd: RoundInfo, clients: List[int], client
         g0 = time.perf_counter()
         ctxs, starts, downloads, rng = [], [], [], []
         gen = device_generator(engine.world.device)
-        draws = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in engine.model.modules())
+        draws = _draws_masks(engine.model)
         on_device = ClientData.all_training_on([engine.data.client(cid) for cid in group_ids], engine.world.device)
         # the clients' training-loss sums: the elements of one tensor (one zeroing, one add a phase)
-        loss_sums = torch.zeros(len(group_ids), dtype=torch.float64, device=engine.world.device)
+        client_loss_sums = torch.zeros(len(group_ids), dtype=torch.float64, device=engine.world.device)
         for cid, client in zip(group_ids, on_device):
             # the per-client seed as in the sequential loop: a download drawing from torch's
             # generator draws the same numbers here
             seed_torch(derive_seed(cfg.seed, "client", rnd.index, cid), engine.world.device)
             flat.load_(engine.global_state)
-            ctx = ClientContext(algo, cid, client, rnd, loss_sums[len(ctxs)])
+            ctx = ClientContext(algo, cid, client, rnd, client_loss_sums[len(ctxs)])
             before = algo.ledger.values.clone()
             algo.download(ctx)  # may load a model the device kept (channel model)
             algo.batched_downloaded(ctx)  # what else the download loaded, kept before the next one's

@@ -43,13 +43,11 @@ def apply_auto(cfg, algo_cls, data_spec, given: Dict[str, Any]) -> List[str]:
     ``given``: the settings its file and flags set (RunConfig field -> value). Returns what was
     resolved, one phrase each, for :func:`auto_line`."""
     said: List[str] = []
-    # the dataset's own run settings (digits: a larger lr and two epochs) where the run sets none
-    for key, value in data_spec.settings.items():
-        if key not in given and getattr(cfg, key) != value:
-            setattr(cfg, key, value)
-            said.append(f"{key} {value} (the {cfg.dataset} default)")
-    # run settings a method sets for itself (the one-shot methods: one round) where the run sets none
-    for key, (value, why) in dict(getattr(algo_cls, "auto_settings", {}) or {}).items():
+    # run settings the dataset (digits: a larger lr and two epochs) and the method (the one-shot
+    # methods: one round) set for themselves, where the run sets none
+    own = [(key, value, f"the {cfg.dataset} default") for key, value in data_spec.settings.items()]
+    own += [(key, value, why) for key, (value, why) in dict(getattr(algo_cls, "auto_settings", {}) or {}).items()]
+    for key, value, why in own:
         if key not in given and getattr(cfg, key) != value:
             setattr(cfg, key, value)
             said.append(f"{key} {value} ({why})")

@@ -99,8 +99,7 @@ def group_distillation_loss(logits: torch.Tensor, y: torch.Tensor, weight: torch
         masks = torch.stack([t[1] if t is not None else torch.zeros_like(first[1]) for t in teachers])
         device = torch.arange(k, device=y.device)[:, None]
         rows, mask = tables[device, y], masks[device, y]
-    per_row = -(rows.to(logits.dtype) * F.log_softmax(logits, -1)).sum(-1) * mask.to(logits.dtype)
-    return (per_row * weight).sum(1)
+    return (_psi(logits, rows) * mask.to(logits.dtype) * weight).sum(1)
 
 
 def upload_spec(num_classes: int, kind: str = "outputs") -> Dict[str, Upload]:
@@ -137,5 +136,10 @@ def distillation_loss(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.T
     batch where few labels have a global output is not distilled harder (dividing by the 4 of
     32 that had one made beta effectively 8 times larger). For next-character prediction every
     position is a sample: the mean is over positions, as the task loss's is."""
-    per_sample = -(teacher.to(logits.dtype) * F.log_softmax(logits, -1)).sum(-1)
+    per_sample = _psi(logits, teacher)
     return (per_sample * mask.to(logits.dtype)).sum() / max(per_sample.numel(), 1)
+
+
+def _psi(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """psi of Eq. 3 per sample: -sum_m G_m log F_m of each output against its teacher row."""
+    return -(teacher.to(logits.dtype) * F.log_softmax(logits, -1)).sum(-1)
