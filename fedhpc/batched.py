@@ -179,21 +179,31 @@ def _owner(cls: type, attr: str) -> Optional[type]:
     return None
 
 
-def check_batchable(algo: "Algorithm", model: nn.Module, cfg) -> None:
-    """Raise ConfigError unless ``clients_at_once`` > 1 can train this run exactly."""
-    cls = type(algo)
+def method_refusal(cls: type, name: str) -> Optional[str]:
+    """Why the method ``cls`` (registered as ``name``) cannot train clients at once whatever the run,
+    or None when it declares the batched path (then the model and optimiser decide: check_batchable).
+    The launcher's list of algorithms marks the methods this passes."""
     fix = "run with --clients-at-once 1 (the sequential path)"
     if not getattr(cls, "batchable", False) or not hasattr(cls, "batched_loss"):
         why = getattr(cls, "not_batchable_because", None)  # a method that says why it stays sequential
-        raise ConfigError(f"--algo {cfg.algo} does not support --clients-at-once > 1 (its local update is "
-                          f"not declared batchable{': ' + why if why else ''}); {fix}")
+        return (f"--algo {name} does not support --clients-at-once > 1 (its local update is "
+                f"not declared batchable{': ' + why if why else ''}); {fix}")
     opt_in = _owner(cls, "batchable")
     for hook in LOCAL_UPDATE_HOOKS:
         owner = _owner(cls, hook)
         # The opt-in must sit in a class at least as derived as every override of the local update.
         if owner is not None and owner is not opt_in and issubclass(owner, opt_in):
-            raise ConfigError(f"--algo {cfg.algo}: {owner.__name__}.{hook} overrides the local update of "
-                              f"{opt_in.__name__}, which declared the batched path; {fix}")
+            return (f"--algo {name}: {owner.__name__}.{hook} overrides the local update of "
+                    f"{opt_in.__name__}, which declared the batched path; {fix}")
+    return None
+
+
+def check_batchable(algo: "Algorithm", model: nn.Module, cfg) -> None:
+    """Raise ConfigError unless ``clients_at_once`` > 1 can train this run exactly."""
+    refusal = method_refusal(type(algo), cfg.algo)
+    if refusal:
+        raise ConfigError(refusal)
+    fix = "run with --clients-at-once 1 (the sequential path)"
     if cfg.optimizer not in ("sgd", "adam"):
         raise ConfigError(f"--clients-at-once > 1 supports --optimizer sgd and adam, got {cfg.optimizer!r}; {fix}")
     # the advice names the model option that removes the layer only where the run's model has it
@@ -567,7 +577,8 @@ class _StackedOptimizer:
     ``active`` flag is False keeps its row and its optimiser state bit for bit. ``columns``
     (num_params,) bool: the parameters the optimiser was given (default all); the others are
     frozen, kept bit for bit like a masked-out client (no state, no weight decay), as a parameter
-    left out of torch's optimiser's list is."""
+    left out of torch's optimiser's list is. A step's own ``columns`` narrows them for that step (the
+    parameters whose gradient is None then: torch's optimisers skip those)."""
 
     def __init__(self, num_params: int, lr: float, weight_decay: float, grad_clip: float,
                  columns: Optional[torch.Tensor] = None):
@@ -575,14 +586,16 @@ class _StackedOptimizer:
         self.lr, self.weight_decay, self.grad_clip = lr, weight_decay, grad_clip
         self.columns = None if columns is None else columns[None, :]
 
-    def gradient(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor]):
+    def gradient(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor],
+                 columns: Optional[torch.Tensor] = None):
         """(weights view, the gradient the update uses, which entries move: None for all)."""
         w = theta[:, :self.p]
         g = grad[:, :self.p]
-        # which entries move: the active clients' rows, the optimiser's own columns (None: all)
+        # which entries move: the active clients' rows, the step's or the optimiser's columns (None: all)
         moves = None if active is None else active[:, None]
-        if self.columns is not None:
-            moves = self.columns if moves is None else moves & self.columns
+        columns = self.columns if columns is None else columns[None, :]
+        if columns is not None:
+            moves = columns if moves is None else moves & columns
         if self.grad_clip > 0:
             # clip_grad_norm_ per client: the 2-norm over all of its parameters' gradients
             norm = torch.linalg.vector_norm(g, 2, dim=1, keepdim=True)
@@ -609,9 +622,10 @@ class StackedSGD(_StackedOptimizer):
         self.buf = torch.zeros_like(theta[:, :num_params]) if momentum > 0 else None
 
     @torch.no_grad()
-    def step(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor]) -> None:
-        """``active``: (K,) bool, or None when every client takes this step."""
-        w, g, moves = self.gradient(theta, grad, active)
+    def step(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor],
+             columns: Optional[torch.Tensor] = None) -> None:
+        """``active``: (K,) bool, or None when every client takes this step; ``columns``: see the base."""
+        w, g, moves = self.gradient(theta, grad, active, columns)
         if self.buf is not None:
             new_buf = self.buf.mul(self.momentum).add_(g)
             self.buf = self.keep(moves, new_buf, self.buf)
@@ -640,10 +654,11 @@ class StackedAdam(_StackedOptimizer):
         self.steps = torch.zeros(theta.shape[0], 1, dtype=torch.float64, device=theta.device)
 
     @torch.no_grad()
-    def step(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor]) -> None:
-        """``active``: (K,) bool, or None when every client takes this step."""
+    def step(self, theta: torch.Tensor, grad: torch.Tensor, active: Optional[torch.Tensor],
+             columns: Optional[torch.Tensor] = None) -> None:
+        """``active``: (K,) bool, or None when every client takes this step; ``columns``: see the base."""
         beta1, beta2 = self.betas
-        w, g, moves = self.gradient(theta, grad, active)
+        w, g, moves = self.gradient(theta, grad, active, columns)
         exp_avg = self.exp_avg.lerp(g, 1 - beta1)
         exp_avg_sq = self.exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2)
         self.steps += 1 if active is None else active[:, None].to(self.steps.dtype)
@@ -792,11 +807,11 @@ class StackedModel:
         # a frozen parameter's columns stay 0 (so they add nothing to a clipped gradient's norm)
         self.grad = torch.zeros_like(self.theta)
         self.grad_views = [self.grad[:, e.offset:e.offset + e.numel].view_as(v) for e, v in zip(trained, self.leaves)]
+        self.trained = trained
         columns = None
         if len(trained) < sum(e.is_param for e in flat.entries):
-            columns = torch.zeros(flat.num_params, dtype=torch.bool, device=self.theta.device)
-            for e in trained:
-                columns[e.offset:e.offset + e.numel] = True
+            columns = self._columns_of(trained)
+        self._columns_with_gradient: Dict[Tuple[int, ...], torch.Tensor] = {}  # by the leaves without one
         if cfg.optimizer == "adam":
             self.opt = StackedAdam(self.theta, flat.num_params, lr, cfg.weight_decay, cfg.grad_clip, columns)
         else:
@@ -816,11 +831,27 @@ class StackedModel:
         grads = torch.autograd.grad(losses.sum(), self.leaves, allow_unused=True)
         with torch.no_grad():
             for view, g in zip(self.grad_views, grads):
-                if g is None:  # a parameter this loss does not use: zero gradient, as in SGD
-                    view.zero_()
+                if g is None:
+                    view.zero_()  # adds nothing to a clipped gradient's norm
                 else:
                     view.copy_(g)
-        self.opt.step(self.theta, self.grad, active)
+        unused = tuple(i for i, g in enumerate(grads) if g is None)
+        columns = None
+        if unused:
+            # a parameter the loss does not use takes no step at all, as torch's optimisers skip a
+            # None gradient: no weight decay, no momentum, no Adam moments
+            columns = self._columns_with_gradient.get(unused)
+            if columns is None:
+                columns = self._columns_of([e for i, e in enumerate(self.trained) if i not in unused])
+                self._columns_with_gradient[unused] = columns
+        self.opt.step(self.theta, self.grad, active, columns)
+
+    def _columns_of(self, entries) -> torch.Tensor:
+        """(num_params,) bool: True on the columns of the flat state's ``entries``."""
+        columns = torch.zeros(self.flat.num_params, dtype=torch.bool, device=self.theta.device)
+        for e in entries:
+            columns[e.offset:e.offset + e.numel] = True
+        return columns
 
     def states(self) -> torch.Tensor:
         """The trained flat states (K, P), running statistics written back."""

@@ -300,6 +300,45 @@ def test_group_sizes_and_grad_clip(k):
     assert_same_clients(seq, bat, start)
 
 
+class _MLPWithSpareHead(torch.nn.Module):
+    """An MLP with a second head its forward never calls (an auxiliary head some losses would use):
+    its parameters get no gradient."""
+
+    def __init__(self, input_shape, num_classes, hidden=32):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(input_shape)), hidden),
+                                        torch.nn.ReLU(), torch.nn.Linear(hidden, num_classes))
+        self.spare_head = torch.nn.Linear(hidden, num_classes)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_parameter_without_gradient_is_not_stepped(optimizer, monkeypatch):
+    """torch's optimisers skip a parameter whose gradient is None: no weight decay, no momentum, no
+    Adam moments, so it keeps its value. The stacked optimisers must do the same, not step it on a
+    zero gradient (weight decay alone would shrink it)."""
+    from fedhpc.models import MODELS, load_model_modules
+
+    load_model_modules()
+    monkeypatch.setitem(MODELS._entries, "mlp_spare_head",
+                        lambda input_shape, num_classes, hidden=32: _MLPWithSpareHead(input_shape, num_classes, hidden))
+    kw = dict(model="mlp_spare_head", model_options={}, optimizer=optimizer, weight_decay=0.05)
+    if optimizer == "adam":
+        kw.update(lr=0.01, momentum=0.0)
+    eng = make_engine("fedavg", **kw)
+    start = eng.global_state.clone()
+    spare = [e for e in eng.flat.entries if e.name.startswith("spare_head.")]
+    assert spare and all(e.is_param for e in spare)
+    seq = sequential_clients(eng, 0)
+    bat = batched_clients(make_engine("fedavg", **kw), 0, 4)
+    assert_same_clients(seq, bat, start)
+    for state, _, _ in bat.values():  # the spare head as it started, in every client
+        for e in spare:
+            assert torch.equal(state[e.offset:e.offset + e.numel], start[e.offset:e.offset + e.numel]), e.name
+
+
 @pytest.mark.skipif("nesterov" not in RunConfig.__dataclass_fields__, reason="no --nesterov in this RunConfig")
 def test_nesterov_equals_sequential():
     kw = dict(nesterov=True)
