@@ -48,6 +48,22 @@ def test_help_lists_algorithms_and_datasets(capsys):
         assert name in out
 
 
+def test_help_stars_the_methods_that_train_clients_at_once(capsys):
+    """The list of algorithms marks those --clients-at-once > 1 accepts (from the registry, not a list
+    kept by hand): the main job and the families opted in, not the methods that refuse it."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    listing = out[out.index("\nalgorithms"):out.index("\ndatasets:")].splitlines()[2:]
+    starred = {line.split()[0].lstrip("*") for line in listing if line.startswith(" *")}
+    plain = {line.split()[0] for line in listing if line.startswith("  ") and "=" not in line.split()[1]}
+    assert {"fedavg", "fedmix", "mix2fld", "fd", "ditto", "pmixfed", "moon", "fedalign"} <= starred
+    assert {"per_fedavg", "gradaug", "stochdepth", "xormixfl", "mixfl", "standalone", "globalmix"} <= plain
+    from fedhpc.algorithms import ALGORITHMS
+    assert starred | plain == set(ALGORITHMS.names()) and not starred & plain
+    code, _, err = run_main(["--algo", "per_fedavg", "--clients-at-once", "2", "--rounds", "1", "--no-out"], capsys)
+    assert code == 2 and "does not support --clients-at-once > 1" in err
+
 def test_algorithm_options_appear_once_algo_is_given(capsys):
     with pytest.raises(SystemExit):
         main(["--algo", "fedprox", "--help"])

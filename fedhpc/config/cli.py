@@ -69,10 +69,14 @@ def _catalogue() -> str:
     from ..models import MODELS, load_model_modules
 
     load_algorithm_modules(); load_dataset_modules(); load_model_modules()
-    lines = ["algorithms:"]
+    from ..batched import method_refusal
+
+    lines = ["algorithms (* also trains clients at once: --clients-at-once):"]
     for n in ALGORITHMS.names():
-        doc = (ALGORITHMS.get(n).__doc__ or "").strip().splitlines()
-        lines.append(f"  {n:14s} {doc[0] if doc else ''}")
+        cls = ALGORITHMS.get(n)
+        doc = (cls.__doc__ or "").strip().splitlines()
+        star = " " if method_refusal(cls, n) else "*"
+        lines.append(f" {star}{n:14s} {doc[0] if doc else ''}")
     for alias, name in sorted(ALGORITHMS.aliases().items()):
         lines.append(f"  {alias:14s} = {name}")
     lines.append("datasets:")
