@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fedhpc.algorithms.oneshot import balance_deficits, keep_until_balanced, split_requests
-from fedhpc.algorithms.sample_codecs import blend, encode_device, from_pixels, mix_encode, to_pixels, xor_chain, xor_decode
+from fedhpc.algorithms.sample_codecs import EncodedSet, blend, encode_device, from_pixels, mix_encode, to_pixels, xor_chain, xor_decode
 from fedhpc.analysis.privacy import classical_mds, mds_min_distances, pixel_min_distances
 from fedhpc.config import parse_args
 from fedhpc.data import build_dataset
@@ -112,6 +112,23 @@ def test_encoded_sample_is_the_xor_of_blends_of_its_recorded_sources():
         assert enc.x[i].reshape(-1).tolist() == hand
 
 
+def test_a_blend_takes_up_to_m_samples_of_what_the_device_holds():
+    """"Up to M samples" a label: a device holding 2 target samples blends 2 at M = 5 (M's axis stops
+    there), 5 of a label it holds 6 of; blend_sizes records it, the sources agree."""
+    x, y = toy_device(labels=(1, 2, 3))
+    x0, _ = toy_device(seed=1, n_per_label=2, labels=(0,))
+    x, y = torch.cat([x0, x]), torch.cat([torch.zeros(2, dtype=torch.long), y])
+    g = torch.Generator().manual_seed(9)
+    enc = encode_device(x, y, {0: 4}, [0], num_dummy=2, max_blend=5, alpha=0.5, generator=g, cid=1)
+    assert enc.blend_sizes.tolist() == [[2, 5, 5]] * 4
+    assert ((enc.source_index >= 0).sum(1) == 12).all()
+    for i in range(len(enc)):
+        assert sorted(enc.source_index[i, :2].tolist()) == [0, 1]                 # both target samples
+    both = EncodedSet.cat([enc, encode_device(x, y, {0: 1}, [0], num_dummy=2, max_blend=1, alpha=0.5,
+                                               generator=g, cid=2)])
+    assert both.blend_sizes.tolist() == [[2, 5, 5]] * 4 + [[1, 1, 1]]
+    assert both.select(torch.tensor([4, 0])).blend_sizes.tolist() == [[1, 1, 1], [2, 5, 5]]
+
 def test_a_dummy_pool_fixes_the_dummy_labels():
     x, y = toy_device()
     g = torch.Generator().manual_seed(8)
@@ -193,6 +210,10 @@ def test_one_shot_run_balances_the_server_and_audits_the_uploads(algo, tmp_path)
     enc, _ = eng.algo.collect(type("R", (), {"index": 0, "sampled": list(range(6))})())
     by_hand = {cid: enc.select((enc.owner == cid).nonzero().flatten()).wire_bytes() for cid in range(6)}
     assert booked == {cid: b for cid, b in by_hand.items() if b} and len(set(booked.values())) > 1
+    # "up to M" (= 2) samples of the target: all a device holds where it holds fewer (a hand count)
+    held = [int((eng.data.client(c).y == t).sum()) for c, t in zip(enc.owner.tolist(), enc.target.tolist())]
+    assert m["blend_target_mean"] == pytest.approx(np.mean([min(2, h) for h in held])) and min(held) < 2 <= max(held)
+    assert m["blend_dummy_mean"] == 2
 
 
 def test_the_audit_flags_an_upload_that_is_a_raw_sample(tmp_path):

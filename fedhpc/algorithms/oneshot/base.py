@@ -344,6 +344,11 @@ class EncodedUploads(OneShotServer):
             if count:
                 self.upload_bytes[cid] = count * enc.row_bytes()
         self.metrics.update(encoded_uploaded=float(len(enc)), target_labels=float(len(targets)))
+        if enc.blend_sizes is not None:
+            # the M a run actually blends: "up to M" samples of a label, so a device holding fewer
+            # target samples than --max-blend blends all it holds (M's axis stops there)
+            self.metrics.update(blend_target_mean=float(enc.blend_sizes[:, 0].double().mean()),
+                                blend_dummy_mean=float(enc.blend_sizes[:, 1:].double().mean()))
         return enc, deficits
 
     def measure_privacy(self, enc: EncodedSet, augmented: torch.Tensor, kept: torch.Tensor) -> None:

@@ -110,7 +110,8 @@ class EncodedSet:
     ``target``: the target label of each sample; ``dummies``: (n, D) its dummy labels;
     ``owner``/``index``: uploading device and position; ``source_index``: (n, S) rows of
     the owner's training data blended into it (target rows first), -1 padded;
-    ``soft``: MixFL's soft labels (n, C), None for XOR samples.
+    ``soft``: MixFL's soft labels (n, C), None for XOR samples; ``blend_sizes``: (n, 1 + D) how
+    many rows each blend took (target first, then each dummy), min(M, rows of the label held).
     """
 
     x: torch.Tensor
@@ -121,6 +122,7 @@ class EncodedSet:
     source_index: torch.Tensor
     kind: str = "xor"
     soft: Optional[torch.Tensor] = None
+    blend_sizes: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return int(self.target.shape[0])
@@ -147,13 +149,15 @@ class EncodedSet:
         width = max(int(p.source_index.shape[1]) for p in parts)
         pad = [F.pad(p.source_index, (0, width - p.source_index.shape[1]), value=-1) for p in parts]
         soft = None if parts[0].soft is None else torch.cat([p.soft for p in parts])
+        sizes = None if any(p.blend_sizes is None for p in parts) else torch.cat([p.blend_sizes for p in parts])
         return EncodedSet(torch.cat([p.x for p in parts]), torch.cat([p.target for p in parts]),
                           torch.cat([p.dummies for p in parts]), torch.cat([p.owner for p in parts]),
-                          torch.cat([p.index for p in parts]), torch.cat(pad), parts[0].kind, soft)
+                          torch.cat([p.index for p in parts]), torch.cat(pad), parts[0].kind, soft, sizes)
 
     def select(self, rows: torch.Tensor) -> "EncodedSet":
         return EncodedSet(self.x[rows], self.target[rows], self.dummies[rows], self.owner[rows], self.index[rows],
-                          self.source_index[rows], self.kind, None if self.soft is None else self.soft[rows])
+                          self.source_index[rows], self.kind, None if self.soft is None else self.soft[rows],
+                          None if self.blend_sizes is None else self.blend_sizes[rows])
 
 
 def encode_device(pixels: torch.Tensor, labels: torch.Tensor, requests: Dict[int, int], targets: Sequence[int],
@@ -171,7 +175,7 @@ def encode_device(pixels: torch.Tensor, labels: torch.Tensor, requests: Dict[int
     allowed = held if dummy_pool is None else held & set(int(d) for d in dummy_pool)
     candidates = torch.tensor(sorted(allowed - set(int(t) for t in targets)), dtype=torch.long)
     members = {c: (labels == c).nonzero().flatten() for c in held}
-    xs, tg, dm, src, soft = [], [], [], [], []
+    xs, tg, dm, src, soft, sizes = [], [], [], [], [], []
     for t in sorted(requests):
         if requests[t] <= 0:
             continue
@@ -200,6 +204,7 @@ def encode_device(pixels: torch.Tensor, labels: torch.Tensor, requests: Dict[int
             tg.append(t)
             dm.append(dummy)
             src.append(torch.cat(rows))
+            sizes.append([len(r) for r in rows])
     n = len(xs)
     width = max((len(r) for r in src), default=0)
     return EncodedSet(
@@ -209,7 +214,8 @@ def encode_device(pixels: torch.Tensor, labels: torch.Tensor, requests: Dict[int
         source_index=torch.stack([F.pad(r, (0, width - len(r)), value=-1) for r in src]) if n
         else torch.zeros(0, 0, dtype=torch.long),
         kind=kind, soft=(torch.stack(soft) if n else torch.zeros(0, num_classes, dtype=torch.float64))
-        if kind == "mix" else None)
+        if kind == "mix" else None,
+        blend_sizes=torch.tensor(sizes, dtype=torch.long).reshape(n, 1 + num_dummy))
 
 
 def xor_decode(encoded: EncodedSet, server_pixels: torch.Tensor, server_labels: torch.Tensor, max_blend: int,
