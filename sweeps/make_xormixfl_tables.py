@@ -82,7 +82,9 @@ def table3() -> None:
 # from the device samples blended into it (minimum distance, uint8 pixel units over the 784 pixels),
 # XorMixFL (decoded) against MixFL (mixed up), for 1, 2, 3 dummy labels (drawn from labels 1, 2, 3)
 # and M = 1..5 blended samples, target label 0, x 3 seeds = 90 runs of a few seconds: the server
-# trains one epoch (its accuracy is not what this table reads). The report's metric is
+# trains one epoch (its accuracy is not what this table reads). Devices hold 10 target samples (the
+# Table 2 file's 2 would cap every blend at 2: "up to M" of what a device holds; blend_target_mean
+# reports the M a run blends) and 27 of every other label. The report's metric is
 # privacy_pixel_mean, the full-dimension distance; the paper calls its measure "MDS" and gives no
 # embedding dimension (privacy_mds_mean is the 2-D classical-MDS distance, --mds-dims sets it).
 # Written by sweeps/make_xormixfl_tables.py from the paper's table.
@@ -91,6 +93,7 @@ def table3() -> None:
 """, """name: xormixfl_table3_mnist5k
 config: launch/xormixfl_mnist5k.yaml
 base:
+  partition: "deficient:0:10:27"
   algo_options.server_epochs: 1
   algo_options.dummy_labels: "1,2,3"
   algo_options.privacy_samples: 200""", cells, 10)
