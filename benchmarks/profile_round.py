@@ -13,7 +13,10 @@ per round:
   (``_local_scalar_dense``) is one too;
 * ``H2D`` / ``D2H``: the device's copies each way (``Memcpy HtoD`` / ``DtoH`` events);
 * ``malloc`` / ``free``: ``cudaMalloc`` / ``cudaFree`` (the caching allocator missing; cudaFree syncs);
-* ``host ms``: the round's wall time under the profiler; ``device ms``: the kernels' own time.
+* ``host ms``: the round's wall time under the profiler; ``device ms``: the kernels' own time;
+* ``warnings``: Python warnings a round issues (each counted, the distinct messages printed): an
+  operator without a deterministic CUDA kernel warns on every call under the deterministic default
+  (``use_deterministic_algorithms(True, warn_only=True)``), a host cost the profiler does not name.
 
 Then, for seq against plain, the operators and kernels seq runs more (or less) of a round, and the
 host functions with the largest self time in each mode. With ``--trace-dir`` every mode's Chrome
@@ -34,6 +37,7 @@ import collections
 import json
 import os
 import sys
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -90,7 +94,8 @@ def profile_mode(rounds_obj, mode: str, first: int, n: int, device: str, trace_d
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     rounds_obj.sync()
-    with profile(activities=activities) as prof:
+    with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as prof:
+        warnings.simplefilter("always")  # every call counted, not the first of each place
         t0 = time.perf_counter()
         for t in range(first, first + n):
             rounds_obj.run(mode, t)
@@ -99,7 +104,10 @@ def profile_mode(rounds_obj, mode: str, first: int, n: int, device: str, trace_d
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
         prof.export_chrome_trace(os.path.join(trace_dir, f"{tag}_{mode}.json"))
-    return summarise(prof, n, wall)
+    res = summarise(prof, n, wall)
+    res["warnings"] = len(caught) / n
+    res["warning_messages"] = dict(collections.Counter(str(w.message)[:160] for w in caught).most_common(5))
+    return res
 
 
 def diff_lines(a: dict, b: dict, label_a: str, label_b: str, top: int = 12) -> list:
@@ -131,7 +139,7 @@ def main():
           f"{args.rounds} profiled round(s) per mode after {args.warmup} warm-up round(s)", flush=True)
     args.rounds_total = args.warmup + args.rounds
     out = {}
-    cols = ("host_ms", "device_ms", "aten_ops", "kernels", "syncs", "items", "h2d", "d2h", "malloc", "free")
+    cols = ("host_ms", "device_ms", "aten_ops", "kernels", "syncs", "items", "h2d", "d2h", "malloc", "free", "warnings")
     print("\n| workload | mode | " + " | ".join(c.replace("_", " ") for c in cols) + " |")
     print("|---|---|" + "---:|" * len(cols))
     for name in args.only.split(","):
@@ -157,6 +165,8 @@ def main():
         for m, r in res.items():
             top = ", ".join(f"{k} {v:.2f}" for k, v in list(r["host_self_ms"].items())[:8])
             print(f"  {name} {m}: largest host self times (ms a round): {top}")
+            for message, count in r["warning_messages"].items():
+                print(f"  {name} {m}: warned {count / args.rounds:.0f} times a round: {message}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
