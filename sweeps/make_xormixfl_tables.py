@@ -1,5 +1,5 @@
-"""Writes sweeps/xormixfl_table2_mnist5k.yaml and sweeps/xormixfl_table3_mnist5k.yaml from the
-XorMixFL paper's Tables 2 and 3 (its numbers: benchmarks/compare_xormixfl.py, PAPER_T2 / PAPER_T3).
+"""Writes sweeps/xormixfl_table2_mnist5k.yaml, sweeps/xormixfl_table3_mnist5k.yaml and its
+saturating-sum twin sweeps/xormixfl_table3_mnist5k_saturating_sum.yaml from the XorMixFL paper's Tables 2 and 3 (its numbers: benchmarks/compare_xormixfl.py, PAPER_T2 / PAPER_T3).
 
 Each sweep is one zip group because the paper's number belongs to a (method, column) cell, so
 every cell is a point with its own ``reference.value``.
@@ -68,7 +68,9 @@ def table2(columns) -> None:
 """, "name: xormixfl_table2_mnist5k", cells, 20)
 
 
-def table3() -> None:
+def table3(rule: str = "average") -> None:
+    """Table 3's grid; ``rule="saturating_sum"`` writes its twin under the one blend reading found to
+    make the distances grow with M (not the paper's text: --blend-rule's help)."""
     cells = []
     for (algo, dummies), row in PAPER_T3.items():
         for m, (mean, _std) in enumerate(row, start=1):
@@ -77,7 +79,14 @@ def table3() -> None:
                           "reference.row": f"{NAMES[algo]}, {dummies} dummy label(s), M = {m}: distance to the raw samples",
                           "reference.metric": "privacy_pixel_mean", "reference.stat": "final",
                           "reference.value": mean})
-    write_grid("sweeps/xormixfl_table3_mnist5k.yaml", """\
+    name = "xormixfl_table3_mnist5k" + ("" if rule == "average" else f"_{rule}")
+    twin = "" if rule == "average" else f"""\
+# This twin blends by --blend-rule {rule}: a label's samples summed and capped at 255 instead of
+# averaged (Eq. 1). Not the paper's text; the one reading found under which the distances grow with
+# M as the paper's do (benchmarks/RESULTS.md, XorMixFL Table 3). sweeps/xormixfl_table3_mnist5k.yaml
+# is the paper's reading.
+"""
+    write_grid(f"sweeps/{name}.yaml", """\
 # XorMixFL paper (003) Table 3 on the embedded real MNIST: how far each sample the server adds lies
 # from the device samples blended into it (minimum distance, uint8 pixel units over the 784 pixels),
 # XorMixFL (decoded) against MixFL (mixed up), for 1, 2, 3 dummy labels (drawn from labels 1, 2, 3)
@@ -88,17 +97,20 @@ def table3() -> None:
 # privacy_pixel_mean, the full-dimension distance; the paper calls its measure "MDS" and gives no
 # embedding dimension (privacy_mds_mean is the 2-D classical-MDS distance, --mds-dims sets it).
 # Written by sweeps/make_xormixfl_tables.py from the paper's table.
-#   python -m fedhpc.sweep sweeps/xormixfl_table3_mnist5k.yaml --local
-#   python -m fedhpc.report runs/sweeps/xormixfl_table3_mnist5k
-""", """name: xormixfl_table3_mnist5k
+""" + twin + f"""\
+#   python -m fedhpc.sweep sweeps/{name}.yaml --local
+#   python -m fedhpc.report runs/sweeps/{name}
+""", f"""name: {name}
 config: launch/xormixfl_mnist5k.yaml
 base:
   partition: "deficient:0:10:27"
   algo_options.server_epochs: 1
   algo_options.dummy_labels: "1,2,3"
-  algo_options.privacy_samples: 200""", cells, 10)
+  algo_options.privacy_samples: 200""" + ("" if rule == "average" else f"""
+  algo_options.blend_rule: {rule}"""), cells, 10)
 
 
 if __name__ == "__main__":
     table2(COLUMNS if "--all" in sys.argv else SOME_COLUMNS)
     table3()
+    table3("saturating_sum")

@@ -154,8 +154,8 @@ def test_launch_files_that_run_the_same_carry_the_same_reference_number():
 
 def test_xormixfl_alpha_blends_nothing_at_m1_and_mixfl_alpha_is_its_mixup_ratio():
     """The inertness run_settings relies on, checked on the codec: at M = 1 XorMixFL's uploads
-    and decodings are the same bits for every alpha; MixFL's are not (alpha is its ratio on the
-    target, Table 4), nor XorMixFL's at M = 5."""
+    and decodings are the same bits for every alpha and blend rule; MixFL's are not (alpha is its
+    ratio on the target, Table 4), nor XorMixFL's at M = 5 unless the blend is a saturating sum."""
     import torch
 
     from fedhpc.algorithms.oneshot.mixfl import MixFLOptions
@@ -166,21 +166,28 @@ def test_xormixfl_alpha_blends_nothing_at_m1_and_mixfl_alpha_is_its_mixup_ratio(
     pixels = torch.randint(0, 256, (60, 1, 6, 6), generator=g, dtype=torch.uint8)
     labels = torch.arange(60) % 4
 
-    def run(kind, alpha, m):
+    def run(kind, alpha, m, rule="average"):
         lam = MixFLOptions(blend_alpha=alpha, max_blend=m).ratio()
         enc = encode_device(pixels, labels, {0: 8}, [0], 2, m, alpha, torch.Generator().manual_seed(1), 0,
-                            kind=kind, lam=lam, num_classes=4)
+                            kind=kind, lam=lam, num_classes=4, rule=rule)
         if kind == "mix":
             return enc.x, enc.soft
-        return enc.x, xor_decode(enc, pixels, labels, m, alpha, torch.Generator().manual_seed(2))[0]
+        return enc.x, xor_decode(enc, pixels, labels, m, alpha, torch.Generator().manual_seed(2), rule)[0]
 
     def same(a, b):
         return all(torch.equal(u, v) for u, v in zip(a, b))
 
     assert same(run("xor", 0.25, 1), run("xor", 0.95, 1))
-    assert EncodingOptions(blend_alpha=0.25, max_blend=1).inert_options() == ("blend_alpha",)
+    assert EncodingOptions(blend_alpha=0.25, max_blend=1).inert_options() == ("blend_alpha", "blend_rule")
+    assert same(run("xor", 0.25, 1), run("xor", 0.25, 1, "saturating_sum"))
     assert not same(run("xor", 0.25, 5), run("xor", 0.95, 5))
     assert EncodingOptions(blend_alpha=0.25, max_blend=5).inert_options() == ()
+    # a saturating sum takes no ratio: XorMixFL's alpha is inert, MixFL's still mixes target and dummies
+    assert same(run("xor", 0.25, 5, "saturating_sum"), run("xor", 0.95, 5, "saturating_sum"))
+    assert not same(run("xor", 0.25, 5, "saturating_sum"), run("xor", 0.25, 5))
+    assert EncodingOptions(blend_alpha=0.25, max_blend=5, blend_rule="saturating_sum").inert_options() == ("blend_alpha",)
+    assert not same(run("mix", 0.25, 5, "saturating_sum"), run("mix", 0.95, 5, "saturating_sum"))
+    assert MixFLOptions(blend_alpha=0.25, max_blend=5, blend_rule="saturating_sum").inert_options() == ()
     assert not same(run("mix", 0.25, 1), run("mix", 0.95, 1))
-    assert MixFLOptions(blend_alpha=0.25, max_blend=1).inert_options() == ()
-    assert MixFLOptions(blend_alpha=0.25, max_blend=1, mix_lam=0.5).inert_options() == ("blend_alpha",)
+    assert MixFLOptions(blend_alpha=0.25, max_blend=1).inert_options() == ("blend_rule",)
+    assert MixFLOptions(blend_alpha=0.25, max_blend=1, mix_lam=0.5).inert_options() == ("blend_alpha", "blend_rule")

@@ -69,6 +69,17 @@ def test_blend_of_m_samples_equals_a_hand_loop(alpha, m):
     assert got.reshape(-1).tolist() == hand_blend(s, alpha)
 
 
+def test_saturating_sum_blend_equals_a_hand_sum_capped_at_255():
+    g = torch.Generator().manual_seed(11)
+    s = torch.randint(0, 100, (4, 3, 5), generator=g, dtype=torch.uint8)   # sums of 0..396
+    got = blend(s, 0.3, "saturating_sum")
+    rows = [[int(v) for v in r.reshape(-1).tolist()] for r in s]
+    assert got.dtype == torch.uint8 and got.reshape(-1).tolist() == [min(255, sum(c)) for c in zip(*rows)]
+    assert 0 < int((got == 255).sum()) < got.numel()      # both sides of the cap are exercised
+    assert torch.equal(blend(s[:1], 0.3, "saturating_sum"), s[0])
+    with pytest.raises(DataError, match="unknown blend rule 'sum'"):
+        blend(s, 0.3, "sum")
+
 def test_two_sample_blend_is_the_authors_truncated_average():
     a = torch.tensor([0, 1, 255, 7], dtype=torch.uint8)
     b = torch.tensor([1, 2, 254, 8], dtype=torch.uint8)

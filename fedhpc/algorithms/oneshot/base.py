@@ -40,7 +40,7 @@ from ...errors import ConfigError, DataError
 from ...exchanges.ownership import canonical_order
 from ...server.trainer import ServerTrainConfig, ServerTrainer
 from ..base import Algorithm, derive_seed
-from .sample_codecs import EncodedSet, encode_device, to_pixels
+from .sample_codecs import BLEND_RULES, EncodedSet, encode_device, to_pixels
 
 # --------------------------------------------------------------------------- balancing
 
@@ -115,6 +115,10 @@ class EncodingOptions(ServerTrainingOptions):
                 "nothing at --max-blend 1 (XorMixFL), where MixFL still mixes target and dummies with it"})
     max_blend: int = field(default=2, metadata={
         "help": "M: samples blended per label (1 = none; Table 4: 1, 5; authors 2)"})
+    blend_rule: str = field(default="average", metadata={
+        "help": "how a label's up-to-M samples become one: average (Eq. 1, iterated pairwise with "
+                "--blend-alpha; the paper's text, the authors' 0.5/0.5) or saturating_sum (min(255, sum); "
+                "not the paper's text, the one reading found under which Table 3's distances grow with M)"})
     dummy_labels: str = field(default="", metadata={
         "help": "labels dummies are drawn from, comma separated (Table 4 fixes them); empty = any non-target label"})
     requests_per_device: int = field(default=0, metadata={
@@ -133,6 +137,8 @@ class EncodingOptions(ServerTrainingOptions):
             raise ConfigError(f"--blend-alpha must be in [0, 1], got {self.blend_alpha}")
         if self.max_blend < 1:
             raise ConfigError(f"--max-blend must be >= 1 (1 = no blending), got {self.max_blend}")
+        if self.blend_rule not in BLEND_RULES:
+            raise ConfigError(f"--blend-rule must be one of {', '.join(BLEND_RULES)}, got {self.blend_rule!r}")
         if self.requests_per_device < 0 or self.privacy_samples < 0:
             raise ConfigError("--requests-per-device and --privacy-samples must be >= 0")
         if self.mds_dims < 1:
@@ -144,10 +150,13 @@ class EncodingOptions(ServerTrainingOptions):
 
     def inert_options(self) -> Tuple[str, ...]:
         """Options that cannot change this run's numbers given the others: alpha at M = 1, where the
-        blend of one sample is that sample (Eq. 1) and XOR takes no ratio (Eqs. 2-3). Two runs whose
+        blend of one sample is that sample (Eq. 1) and XOR takes no ratio (Eqs. 2-3), or where the
+        blend is a saturating sum, which takes none either; the blend rule at M = 1. Two runs whose
         settings differ only in these are the same run (tests/test_launch_configs.py holds the
         launch files to it)."""
-        return ("blend_alpha",) if self.max_blend == 1 else ()
+        if self.max_blend == 1:
+            return ("blend_alpha", "blend_rule")
+        return ("blend_alpha",) if self.blend_rule == "saturating_sum" else ()
 
     def dummy_pool(self) -> Optional[List[int]]:
         """The labels dummies may come from, or None for any non-target label."""
@@ -323,7 +332,7 @@ class EncodedUploads(OneShotServer):
                 g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "oneshot-encode", cid))
                 enc = encode_device(pixels, labels, req, targets, o.num_dummy, o.max_blend, o.blend_alpha, g,
                                     cid, kind=self.kind, lam=self.mix_ratio(),
-                                    num_classes=self.num_classes, dummy_pool=o.dummy_pool())
+                                    num_classes=self.num_classes, dummy_pool=o.dummy_pool(), rule=o.blend_rule)
                 # The audit runs where the device's raw data already is (its hosting rank), so no rank
                 # loads every device; uint8 samples are equal when their distance is below 1.
                 leaked += len(audit_raw_leaves(enc, {cid: pixels}, atol=0.5, rtol=0.0).leaked_rows) if len(enc) else 0

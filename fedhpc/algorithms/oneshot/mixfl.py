@@ -49,7 +49,8 @@ class MixFLOptions(EncodingOptions):
 
     def inert_options(self):
         # alpha is the mixup ratio unless --mix-lam sets one: then, at M = 1, it blends nothing
-        return super().inert_options() if self.mix_lam else ()
+        inert = super().inert_options()
+        return inert if self.mix_lam else tuple(o for o in inert if o != "blend_alpha")
 
 
 @register_algorithm("mixfl")

@@ -17,6 +17,10 @@ each against a hand computation.
   (1 - alpha) * s_k), computed in float64 and cast back to uint8 by truncation after
   every step (numpy / TensorFlow ``astype(uint8)`` semantics; for M = 2, alpha = 0.5 it
   is the authors' truncated average). m = min(M, samples of the label held).
+  ``rule="saturating_sum"`` instead adds the m samples and caps at 255 (no ratio): not the
+  paper's text (it says the samples are "averaged ... as done in Vanilla Mixup"), but the one
+  reading found under which Table 3's distances grow with M (benchmarks/RESULTS.md), kept so
+  that a sweep can test it.
 * XOR encoding (Eq. 2) on the device: e = b(target) XOR b(dummy_1) XOR ... XOR
   b(dummy_D), the D dummy labels (Table 4's "number of dummy labels") drawn per sample
   from the non-target labels the device holds. Decoding (Eq. 3) on the server: d = e XOR
@@ -65,10 +69,18 @@ def from_pixels(p: torch.Tensor, like: torch.dtype) -> torch.Tensor:
 # --------------------------------------------------------------------------- blending and codecs
 
 
-def blend(samples: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Iterated pairwise blending (Eq. 1) of uint8 samples (m, ...) in order -> one uint8 sample."""
+BLEND_RULES = ("average", "saturating_sum")
+
+
+def blend(samples: torch.Tensor, alpha: float, rule: str = "average") -> torch.Tensor:
+    """Iterated pairwise blending (Eq. 1) of uint8 samples (m, ...) in order -> one uint8 sample;
+    ``rule="saturating_sum"``: min(255, s_1 + ... + s_m), ``alpha`` unused."""
     if samples.dtype != torch.uint8 or samples.shape[0] < 1:
         raise DataError(f"blend takes a non-empty uint8 stack of samples, got {samples.dtype} {tuple(samples.shape)}")
+    if rule == "saturating_sum":
+        return samples.to(torch.int32).sum(0).clamp(max=255).to(torch.uint8)
+    if rule != "average":
+        raise DataError(f"unknown blend rule {rule!r}; choose one of {', '.join(BLEND_RULES)}")
     out = samples[0]
     for s in samples[1:]:
         out = (alpha * out.double() + (1 - alpha) * s.double()).floor().clamp(0, 255).to(torch.uint8)
@@ -76,12 +88,12 @@ def blend(samples: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def draw_blend(pixels: torch.Tensor, members: torch.Tensor, max_blend: int, alpha: float,
-               generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+               generator: torch.Generator, rule: str = "average") -> Tuple[torch.Tensor, torch.Tensor]:
     """Blend of min(M, len(members)) rows of ``pixels`` drawn without replacement from ``members``.
 
     Returns (blended sample, the rows used in blending order)."""
     pick = members[torch.randperm(len(members), generator=generator)[:max_blend]]
-    return blend(pixels[pick], alpha), pick
+    return blend(pixels[pick], alpha, rule), pick
 
 
 def xor_chain(first: torch.Tensor, others: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -163,13 +175,13 @@ class EncodedSet:
 def encode_device(pixels: torch.Tensor, labels: torch.Tensor, requests: Dict[int, int], targets: Sequence[int],
                   num_dummy: int, max_blend: int, alpha: float, generator: torch.Generator, cid: int,
                   kind: str = "xor", lam: float = 0.5, num_classes: int = 0,
-                  dummy_pool: Optional[Sequence[int]] = None) -> EncodedSet:
+                  dummy_pool: Optional[Sequence[int]] = None, rule: str = "average") -> EncodedSet:
     """One device's upload (Alg. 1): ``requests[t]`` encoded samples of each target label t.
 
     Per sample, in (target label, position) order: the target blend, then D dummy labels
     (a uniform draw without replacement among the non-target labels the device holds, within
     ``dummy_pool`` when given, in drawn order), then each dummy's blend, all from ``generator``. ``kind``: "xor" (Eq. 2)
-    or "mix" (MixFL, ratio ``lam``, soft labels over ``num_classes``).
+    or "mix" (MixFL, ratio ``lam``, soft labels over ``num_classes``); ``rule``: :func:`blend`'s.
     """
     held = set(torch.unique(labels).tolist())
     allowed = held if dummy_pool is None else held & set(int(d) for d in dummy_pool)
@@ -186,11 +198,11 @@ def encode_device(pixels: torch.Tensor, labels: torch.Tensor, requests: Dict[int
                             f"fewer than the {num_dummy} dummy labels each encoded sample needs; lower --num-dummy "
                             f"or widen --dummy-labels")
         for _ in range(requests[t]):
-            b_t, rows_t = draw_blend(pixels, members[t], max_blend, alpha, generator)
+            b_t, rows_t = draw_blend(pixels, members[t], max_blend, alpha, generator, rule)
             dummy = candidates[torch.randperm(len(candidates), generator=generator)[:num_dummy]]
             blends, rows = [], [rows_t]
             for d in dummy.tolist():
-                b_d, rows_d = draw_blend(pixels, members[d], max_blend, alpha, generator)
+                b_d, rows_d = draw_blend(pixels, members[d], max_blend, alpha, generator, rule)
                 blends.append(b_d)
                 rows.append(rows_d)
             if kind == "xor":
@@ -219,7 +231,7 @@ def encode_device(pixels: torch.Tensor, labels: torch.Tensor, requests: Dict[int
 
 
 def xor_decode(encoded: EncodedSet, server_pixels: torch.Tensor, server_labels: torch.Tensor, max_blend: int,
-               alpha: float, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+               alpha: float, generator: torch.Generator, rule: str = "average") -> Tuple[torch.Tensor, torch.Tensor]:
     """Alg. 2: every encoded sample XOR the server's own blends of its dummy labels (Eq. 3).
 
     Sample by sample in the set's order, each dummy's blend drawn from ``generator`` among
@@ -232,7 +244,7 @@ def xor_decode(encoded: EncodedSet, server_pixels: torch.Tensor, server_labels: 
         for d in encoded.dummies[i].tolist():
             if d not in members:
                 raise DataError(f"the server holds no sample of dummy label {d}, so it cannot decode (Eq. 3)")
-            b, r = draw_blend(server_pixels, members[d], max_blend, alpha, generator)
+            b, r = draw_blend(server_pixels, members[d], max_blend, alpha, generator, rule)
             blends.append(b)
             rows.append(r)
         out.append(xor_chain(encoded.x[i], blends))

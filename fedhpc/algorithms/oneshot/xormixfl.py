@@ -31,7 +31,8 @@ class XorMixFL(EncodedUploads):
         o = self.options
         enc, deficits = self.collect(rnd)
         g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "oneshot-decode"))
-        decoded, _ = xor_decode(enc, to_pixels(self.server_x), self.server_y, o.max_blend, o.blend_alpha, g)
+        decoded, _ = xor_decode(enc, to_pixels(self.server_x), self.server_y, o.max_blend, o.blend_alpha, g,
+                                  o.blend_rule)
         kept = keep_until_balanced(enc.target, deficits)
         self.metrics["decoded_added"] = float(len(kept))
         self.measure_privacy(enc, decoded[kept], kept)
