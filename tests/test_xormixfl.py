@@ -227,6 +227,34 @@ def test_one_shot_run_balances_the_server_and_audits_the_uploads(algo, tmp_path)
     assert m["blend_dummy_mean"] == 2
 
 
+def test_the_blend_rule_reaches_the_devices_and_the_servers_blends(tmp_path, monkeypatch):
+    """--blend-rule saturating_sum through the engine: every upload is the XOR of its sources' capped
+    sums (recomputed from the device's raw rows), and the server decodes with the same rule."""
+    from fedhpc.algorithms.oneshot import xormixfl
+    from fedhpc.engine import Engine
+    from fedhpc.world import World
+
+    seen = []
+    real_decode = xormixfl.xor_decode
+    monkeypatch.setattr(xormixfl, "xor_decode", lambda *a, **k: seen.append(a[6:] + tuple(k.values())) or real_decode(*a, **k))
+    argv = ["--algo", "xormixfl", *DIGITS, "--clients-per-round", "6", "--rounds", "1", "--model", "mlp",
+            "--partition", "deficient:0:4:10", *SERVER, "--data-opt", "server_deficient=0", "--server-epochs", "1",
+            "--max-blend", "3", "--blend-rule", "saturating_sum", "--threads", "1", "--quiet", "--no-tensorboard",
+            "--out", str(tmp_path / "r")]
+    cfg, ao, do = parse_args(argv)
+    eng = Engine(cfg, ao, do, World(threads=1))
+    enc, _ = eng.algo.collect(type("R", (), {"index": 0, "sampled": list(range(6))})())
+    assert len(enc) > 0 and (enc.blend_sizes[:, 1] == 3).all() and (enc.blend_sizes[:, 0] >= 2).all()
+    for i in range(len(enc)):
+        raw = to_pixels(eng.data.client(int(enc.owner[i])).x).to(torch.int64)
+        rows, start, want = enc.source_index[i].tolist(), 0, None
+        for size in enc.blend_sizes[i].tolist():  # target, then the dummy
+            part = raw[rows[start: start + size]].sum(0).clamp(max=255)
+            want, start = (part if want is None else want ^ part), start + size
+        assert torch.equal(enc.x[i].to(torch.int64), want)
+    eng.algo.round_begin(type("R", (), {"index": 0, "sampled": list(range(6))})())
+    assert seen == [("saturating_sum",)]
+
 def test_the_audit_flags_an_upload_that_is_a_raw_sample(tmp_path):
     # MixFL with lam = 1 and no blending sends the raw target sample itself: the audit must see it
     from fedhpc.engine import Engine
