@@ -179,11 +179,15 @@ def _owner(cls: type, attr: str) -> Optional[type]:
     return None
 
 
+#: the fix every refusal of the batched path names
+_RUN_SEQUENTIALLY = "run with --clients-at-once 1 (the sequential path)"
+
+
 def method_refusal(cls: type, name: str) -> Optional[str]:
     """Why the method ``cls`` (registered as ``name``) cannot train clients at once whatever the run,
     or None when it declares the batched path (then the model and optimiser decide: check_batchable).
     The launcher's list of algorithms marks the methods this passes."""
-    fix = "run with --clients-at-once 1 (the sequential path)"
+    fix = _RUN_SEQUENTIALLY
     if not getattr(cls, "batchable", False) or not hasattr(cls, "batched_loss"):
         why = getattr(cls, "not_batchable_because", None)  # a method that says why it stays sequential
         return (f"--algo {name} does not support --clients-at-once > 1 (its local update is "
@@ -203,7 +207,7 @@ def check_batchable(algo: "Algorithm", model: nn.Module, cfg) -> None:
     refusal = method_refusal(type(algo), cfg.algo)
     if refusal:
         raise ConfigError(refusal)
-    fix = "run with --clients-at-once 1 (the sequential path)"
+    fix = _RUN_SEQUENTIALLY
     if cfg.optimizer not in ("sgd", "adam"):
         raise ConfigError(f"--clients-at-once > 1 supports --optimizer sgd and adam, got {cfg.optimizer!r}; {fix}")
     # the advice names the model option that removes the layer only where the run's model has it
@@ -829,13 +833,14 @@ class StackedModel:
         """One optimizer step of every client on the gradient of its own loss (``losses`` (K,));
         ``active`` (K,) bool, or None when every client takes the step."""
         grads = torch.autograd.grad(losses.sum(), self.leaves, allow_unused=True)
+        unused: Tuple[int, ...] = ()  # the leaves the loss does not use
         with torch.no_grad():
-            for view, g in zip(self.grad_views, grads):
+            for i, (view, g) in enumerate(zip(self.grad_views, grads)):
                 if g is None:
                     view.zero_()  # adds nothing to a clipped gradient's norm
+                    unused += (i,)
                 else:
                     view.copy_(g)
-        unused = tuple(i for i, g in enumerate(grads) if g is None)
         columns = None
         if unused:
             # a parameter the loss does not use takes no step at all, as torch's optimisers skip a
