@@ -41,7 +41,7 @@ Equal to the sequential path (within float rounding), client by client:
 Who is batched: an algorithm opts in with the class attribute ``batchable = True`` and a
 hook ``batched_loss(group, x, y, weight) -> (K,)`` (see :class:`ClientGroup`); the
 sequential ``loss`` stays the reference. Today: FedAvg, FedProx, NaiveMix, FedMix, LocalMix,
-Mixup, MOON, FedAlign (StochDepth and GradAug are refused, saying why), and the personalised
+GlobalMix, Mixup, MOON, FedAlign (StochDepth and GradAug are refused, saying why), and the personalised
 FedPer, LG-FedAvg, FedSim, pMixFed (-Dynamic), FedBABU, FedAlt and Ditto (Per-FedAvg is
 refused, saying why), whose ``download`` builds the model a client trains (personal layers,
 pMixFed's mix) before the batched steps start, as it does before the sequential ones; and the FD

@@ -560,7 +560,6 @@ def test_dropout_and_batchnorm_outside_the_grouped_kernels_are_refused(wrap, mat
 
 
 @pytest.mark.parametrize("kw,algo,match", [
-    ({}, "globalmix", "not declared batchable"),
     ({}, "per_fedavg", "not declared batchable"),
 ])
 def test_refused_with_a_config_error(kw, algo, match):

@@ -153,6 +153,8 @@ MORE = {
     "fedsim": {},
     "pmixfed": {},
     "pmixfed_dynamic": {"mu": 0.3},
+    # one raw partner per real row from the pool of the other clients' samples, lambda ~ Beta, the prox term
+    "globalmix": {"mix_alpha": 0.5, "prox_mu": 0.1},
 }
 
 
@@ -161,6 +163,41 @@ MORE = {
 def test_more_methods_clients_equal_sequential(algo, model):
     """Round 0 client by client (the personal methods' clients start from the global model then)."""
     same_as_sequential(algo, MORE[algo], **({} if model == "mlp" else BOTH))
+
+
+@pytest.mark.parametrize("options", [{"select": "batch", "lam": 0.3}, {"raw_per_client": 3, "lam": 0.2}],
+                         ids=["one_partner_a_batch", "a_few_shared_samples"])
+def test_globalmix_variants_equal_sequential(options):
+    """One raw partner for the whole batch (a row broadcast over the client's rows), a fixed lambda, and a
+    pool of 3 shared samples a client (partners drawn from fewer rows than a batch has), in groups of 5 + 1."""
+    same_as_sequential("globalmix", options, k=5, **BOTH)
+
+
+def test_globalmix_partners_of_stored_uint8_pixels_equal_sequential():
+    """MNIST's pool holds uint8 pixels: a partner must pass the dataset's transform (to [0, 1]) as in
+    ``loss`` (digits are stored as floats, where the transform changes nothing)."""
+    same_as_sequential("globalmix", {"lam": 0.3}, dataset="mnist5k", num_clients=60, local_epochs=1)
+
+
+def test_globalmix_client_without_partners_trains_on_plain_ce_in_its_group():
+    """A client whose pool holds no other client's sample (only itself shares) takes plain CE in
+    ``loss``; in a group it mixes with its own rows, the same within rounding."""
+    def without_partners_for(eng, cid):
+        download = eng.algo.download
+
+        def patched(ctx):
+            download(ctx)
+            if ctx.cid == cid:
+                ctx.extra["partners"] = ctx.extra["partners"][:0]
+        eng.algo.download = patched
+        return eng
+
+    opts, kw = {"mix_alpha": 0.5}, BOTH
+    cid = round_info(make_engine("globalmix", opts, **kw), 0).my_clients[1]
+    start = make_engine("globalmix", opts, **kw).global_state.clone()
+    seq = sequential_clients(without_partners_for(make_engine("globalmix", opts, **kw), cid), 0)
+    bat = batched_clients(without_partners_for(make_engine("globalmix", opts, **kw), cid), 0, 4)
+    assert_same_clients(seq, bat, start)
 
 
 def test_mixup_without_mixing_and_in_groups_that_do_not_divide():
@@ -218,10 +255,12 @@ def test_a_subclass_of_a_phased_method_changing_a_phase_is_refused():
 
 
 #: a method drawing its own random numbers (Mixup), a personal one (pMixFed: client state on the rank
-#: that trains it) and the main job's Mix2FLD (each device's Eq. 2 sums, then the server's conversion);
+#: that trains it), the main job's Mix2FLD (each device's Eq. 2 sums, then the server's conversion) and
+#: GlobalMix (partners drawn from the pool every rank gathers);
 #: FedProx's anchor and FedPer's personal layers are the same machinery, checked against sequential above
 @pytest.mark.parametrize("algo", [["--algo", "mixup", "--gamma", "0.4"], ["--algo", "pmixfed"],
-                                  ["--algo", "mix2fld"]], ids=lambda a: a[1])
+                                  ["--algo", "mix2fld"], ["--algo", "globalmix", "--mix-alpha", "0.5"]],
+                         ids=lambda a: a[1])
 def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path, algo):
     """--clients-at-once 3 on 1 and 2 ranks, bit for bit (groups are cut before ranks are chosen;
     each client's masks come from its own generator), and within rounding of the sequential run:

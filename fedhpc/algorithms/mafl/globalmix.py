@@ -29,6 +29,9 @@ Global Mixup row (CIFAR-10 88.2) is above every fixed-l value of Table 5, so it 
 not a fixed-l run: mixup's l is "chosen from the beta distribution for each
 training step" (Sec. 3.1), with an alpha the paper does not report. For that row
 use ``--mix-alpha A`` and state the A chosen.
+
+Batched clients (``--clients-at-once K``, :mod:`fedhpc.batched`): ``batched_loss`` is ``loss`` for K
+clients, each drawing its lambda and its partners from its own streams as ``loss`` does.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ from ...exchanges.mean_data import KeptCopies
 from ...exchanges.ownership import canonical_order, owner_rank
 from ...exchanges.traffic_audit import auditing, record_sent
 from .. import register_algorithm
+from ...batched import proximal_terms
 from ..base import Algorithm, derive_seed
 from ..fedprox import add_proximal_term
 from .localmix import draw_lambda
-from .mixing import MixSpace, mixup_loss
+from .mixing import MixSpace, batched_mixup_loss, mixup_loss
 
 
 class PrivacyViolationWarning(UserWarning):
@@ -79,6 +83,8 @@ class GlobalMix(Algorithm):
 
     Options = GlobalMixOptions
     ledger_kinds = ("parameters", "raw_samples")
+    #: plain SGD steps on ``loss``; batched_loss is the same loss for K clients (fedhpc.batched)
+    batchable = True
 
     def setup(self):
         self.options = self.options or GlobalMixOptions()
@@ -177,3 +183,42 @@ class GlobalMix(Algorithm):
             yj = self.space.labels(self.pool["y"][pick], ydtype)
             loss = mixup_loss(self.space.f(model), xin, yin, xj, yj, lam)
         return add_proximal_term(loss, self, model, self.options.prox_mu, ctx)
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K clients (fedhpc.batched). Each active client draws its lambda and its
+        partners (one per real row, or one for the batch) from its own streams, in the order ``loss``
+        draws them; a padded row mixes with the client's first partner (weight 0: it adds nothing).
+        A client with no partner (the only one holding data) mixes its rows with themselves, which is
+        the plain cross-entropy ``loss`` takes then, within float rounding."""
+        k, b = x.shape[0], x.shape[1]
+        rows = b if self.options.select == "sample" else 1
+        device = self.pool["x"].device
+        pick = torch.zeros(k, rows, dtype=torch.long, device=device)
+        lam = torch.zeros(k, dtype=torch.float64)
+        alone = torch.zeros(k, dtype=torch.bool)  # no partner drawn: mixes with its own rows
+        for i, ctx in enumerate(group.ctxs):
+            if not group.active[i]:
+                alone[i] = True
+                continue
+            partners = ctx.extra["partners"]
+            lam[i] = draw_lambda(ctx, self.options)
+            if len(partners) == 0:
+                alone[i] = True
+                continue
+            n = group.real[i] if rows > 1 else 1
+            drawn = partners[torch.randint(len(partners), (n,), generator=ctx.extra["select_gen"]).to(device)]
+            pick[i, :n] = drawn
+            pick[i, n:] = drawn[0]
+        flat = pick.reshape(-1)
+        xj = self.data.transform(self.pool["x"][flat], False, None).to(x.dtype).reshape((k, rows) + x.shape[2:])
+        yin = self.space.labels(y, x.dtype)
+        yj = self.space.labels(self.pool["y"][flat], x.dtype).reshape(k, rows, -1)
+        if bool(alone.any()):
+            mask = alone.to(x.device)
+            xj = torch.where(mask.view((k,) + (1,) * (x.dim() - 1)), x, xj.expand_as(x))
+            yj = torch.where(mask.view(k, 1, 1), yin, yj.expand_as(yin))
+        lam = self.options.lam if self.options.mix_alpha <= 0 else lam.to(x.device)  # a float as loss uses it
+        loss = batched_mixup_loss(group.forward, x, yin, xj, yj, lam, weight)
+        if self.options.prox_mu == 0:
+            return loss
+        return loss + proximal_terms(group, self, self.options.prox_mu)  # per-client anchors
