@@ -41,7 +41,8 @@ Equal to the sequential path (within float rounding), client by client:
 Who is batched: an algorithm opts in with the class attribute ``batchable = True`` and a
 hook ``batched_loss(group, x, y, weight) -> (K,)`` (see :class:`ClientGroup`); the
 sequential ``loss`` stays the reference. Today: FedAvg, FedProx, NaiveMix, FedMix, LocalMix,
-GlobalMix, Mixup, MOON, FedAlign (StochDepth and GradAug are refused, saying why), and the personalised
+GlobalMix, Mixup, MOON, FedAlign, StochDepth (each client's own dropped blocks: ``ClientGroup.skip``;
+GradAug is refused, saying why), and the personalised
 FedPer, LG-FedAvg, FedSim, pMixFed (-Dynamic), FedBABU, FedAlt and Ditto (Per-FedAvg is
 refused, saying why), whose ``download`` builds the model a client trains (personal layers,
 pMixFed's mix) before the batched steps start, as it does before the sequential ones; and the FD
@@ -95,7 +96,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -132,6 +133,9 @@ class ClientGroup:
     differentiable leaves, in ``flat.entries`` order). ``active[k]`` says whether client k
     takes this step (False: all its rows are padding; the hook must not draw from its random
     streams then). ``real[k]`` is how many of the B rows of client k are real samples.
+    ``buffers``: name -> (K, *shape) views of the clients' running statistics (BatchNorm), which a
+    training forward updates. ``skip(clients, names)``: those clients' parameters ``names`` took no
+    part in this step's loss (a residual block they dropped), so they take no step (see :meth:`skip`).
     """
 
     forward: Callable[[torch.Tensor], torch.Tensor]
@@ -140,6 +144,23 @@ class ClientGroup:
     active: List[bool]
     real: List[int]
     flat: "FlatModel"
+    buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
+    #: (K, num_params) bool, True where client k's parameter took no part in the step (set by skip)
+    skipped: Optional[torch.Tensor] = None
+
+    def skip(self, clients: List[int], names: List[str]) -> None:
+        """The parameters ``names`` of the clients at positions ``clients`` took no part in this
+        step's loss: their sequential steps would see these gradients None, which torch's optimisers
+        skip (no step, no momentum, no weight decay, no Adam moments or step count); the stacked step
+        keeps them so for those clients alone (their gradient rows, zero, add nothing to a clipped
+        gradient's norm, as a None gradient does)."""
+        if self.skipped is None:
+            self.skipped = torch.zeros(len(self.ctxs), self.flat.num_params, dtype=torch.bool)
+        entries = {e.name: e for e in self.flat.entries if e.is_param}
+        rows = torch.tensor(clients, dtype=torch.long)
+        for name in names:
+            e = entries[name]
+            self.skipped[rows, e.offset:e.offset + e.numel] = True
 
 
 def weighted_task_loss(logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -582,7 +603,8 @@ class _StackedOptimizer:
     (num_params,) bool: the parameters the optimiser was given (default all); the others are
     frozen, kept bit for bit like a masked-out client (no state, no weight decay), as a parameter
     left out of torch's optimiser's list is. A step's own ``columns`` narrows them for that step (the
-    parameters whose gradient is None then: torch's optimisers skip those)."""
+    parameters whose gradient is None then: torch's optimisers skip those): (num_params,) for every
+    client, or (K, num_params), a row per client (a block one client dropped)."""
 
     def __init__(self, num_params: int, lr: float, weight_decay: float, grad_clip: float,
                  columns: Optional[torch.Tensor] = None):
@@ -597,7 +619,7 @@ class _StackedOptimizer:
         g = grad[:, :self.p]
         # which entries move: the active clients' rows, the step's or the optimiser's columns (None: all)
         moves = None if active is None else active[:, None]
-        columns = self.columns if columns is None else columns[None, :]
+        columns = self.columns if columns is None else (columns if columns.dim() == 2 else columns[None, :])
         if columns is not None:
             moves = columns if moves is None else moves & columns
         if self.grad_clip > 0:
@@ -645,7 +667,10 @@ class StackedAdam(_StackedOptimizer):
     Each client counts its own steps: one masked out of a step (fewer batches than the group's
     largest client) takes no step, so its bias corrections 1 - beta^t are those of its own t, as
     in its sequential training. They are computed in float64, as torch computes them from its
-    Python step count, and applied per row."""
+    Python step count, and applied per row. torch counts per parameter: one without a gradient at
+    a step is skipped and its count stays. From the first step that leaves some parameters out
+    (a step's own ``columns``: no gradient, or a block a client dropped) the counts are kept per
+    entry, (K, num_params), so each parameter's bias corrections are those of its own steps."""
 
     betas = (0.9, 0.999)
     eps = 1e-8
@@ -665,7 +690,12 @@ class StackedAdam(_StackedOptimizer):
         w, g, moves = self.gradient(theta, grad, active, columns)
         exp_avg = self.exp_avg.lerp(g, 1 - beta1)
         exp_avg_sq = self.exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        self.steps += 1 if active is None else active[:, None].to(self.steps.dtype)
+        if columns is not None and self.steps.shape[1] == 1:
+            self.steps = self.steps.expand(-1, self.p).clone()  # counts per entry from now on
+        if self.steps.shape[1] == 1:
+            self.steps += 1 if active is None else active[:, None].to(self.steps.dtype)
+        else:
+            self.steps += 1 if moves is None else moves.to(self.steps.dtype)
         t = self.steps.clamp(min=1)  # a client not stepped yet: any value, its row is kept below
         step_size = (self.lr / (1 - beta1 ** t)).to(w.dtype)
         bias_correction2_sqrt = (1 - beta2 ** t).sqrt().to(w.dtype)
@@ -829,9 +859,11 @@ class StackedModel:
             self._forward = stacked_forward(self.model, self.params, probe, self.buffers, self.step_rows)
         return self._forward
 
-    def step(self, losses: torch.Tensor, active: Optional[torch.Tensor]) -> None:
+    def step(self, losses: torch.Tensor, active: Optional[torch.Tensor],
+             skipped: Optional[torch.Tensor] = None) -> None:
         """One optimizer step of every client on the gradient of its own loss (``losses`` (K,));
-        ``active`` (K,) bool, or None when every client takes the step."""
+        ``active`` (K,) bool, or None when every client takes the step; ``skipped`` (K, num_params)
+        bool: client k's parameters that took no part in its loss (ClientGroup.skip), not stepped."""
         grads = torch.autograd.grad(losses.sum(), self.leaves, allow_unused=True)
         unused: Tuple[int, ...] = ()  # the leaves the loss does not use
         with torch.no_grad():
@@ -849,6 +881,10 @@ class StackedModel:
             if columns is None:
                 columns = self._columns_of([e for i, e in enumerate(self.trained) if i not in unused])
                 self._columns_with_gradient[unused] = columns
+        if skipped is not None:
+            if columns is None:
+                columns = self.opt.columns[0] if self.opt.columns is not None else self._columns_of(self.trained)
+            columns = columns[None, :] & ~skipped.to(columns.device)
         self.opt.step(self.theta, self.grad, active, columns)
 
     def _columns_of(self, entries) -> torch.Tensor:
@@ -896,9 +932,9 @@ def train_group(algo: "Algorithm", model: nn.Module, flat, ctxs: List[ClientCont
             real = [eb.real[i][s] for i in range(k)]
             step.set(real, cfg.batch_size)
             active_list = [n > 0 for n in real]
-            group = ClientGroup(forward, stacked.params, ctxs, active_list, real, flat)
+            group = ClientGroup(forward, stacked.params, ctxs, active_list, real, flat, stacked.buffers)
             losses = loss(group, eb.x[:, s], eb.y[:, s], eb.weight[:, s])
-            stacked.step(losses, None if all(active_list) else eb.counts[:, s] > 0)
+            stacked.step(losses, None if all(active_list) else eb.counts[:, s] > 0, group.skipped)
             loss_sums.add_(losses.detach().double() * eb.counts[:, s])  # a masked-out client adds 0 * its 0 loss
         for i, ctx in enumerate(ctxs):
             ctx.samples += sum(eb.real[i])

@@ -256,10 +256,12 @@ def test_a_subclass_of_a_phased_method_changing_a_phase_is_refused():
 
 #: a method drawing its own random numbers (Mixup), a personal one (pMixFed: client state on the rank
 #: that trains it), the main job's Mix2FLD (each device's Eq. 2 sums, then the server's conversion) and
-#: GlobalMix (partners drawn from the pool every rank gathers);
+#: GlobalMix (partners drawn from the pool every rank gathers), StochDepth (each client's own drops, on the
+#: residual network: its flags come last and override the CNN);
 #: FedProx's anchor and FedPer's personal layers are the same machinery, checked against sequential above
 @pytest.mark.parametrize("algo", [["--algo", "mixup", "--gamma", "0.4"], ["--algo", "pmixfed"],
-                                  ["--algo", "mix2fld"], ["--algo", "globalmix", "--mix-alpha", "0.5"]],
+                                  ["--algo", "mix2fld"], ["--algo", "globalmix", "--mix-alpha", "0.5"],
+                                  ["--algo", "stochdepth", "--final-keep-prob", "0.4", "--model", "resnet_digits"]],
                          ids=lambda a: a[1])
 def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path, algo):
     """--clients-at-once 3 on 1 and 2 ranks, bit for bit (groups are cut before ranks are chosen;
@@ -270,10 +272,10 @@ def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path, a
 
     from conftest import launch
 
-    args = algo + ["--model", "cnn", "--model-opt", "width=4", "--model-opt", "norm=batch",
+    args = ["--model", "cnn", "--model-opt", "width=4", "--model-opt", "norm=batch",
             "--model-opt", "dropout=0.3", "--partition", "dirichlet:0.5", "--num-clients", "10",
             "--clients-per-round", "8", "--batch-size", "16", "--local-epochs", "2", "--lr", "0.01", "--momentum", "0.5",
-            "--weight-decay", "0.001", "--rounds", "2", "--seed", "3", "--threads", "1", "--quiet", "--no-tensorboard"]
+            "--weight-decay", "0.001", "--rounds", "2", "--seed", "3", "--threads", "1", "--quiet", "--no-tensorboard"] + algo
     got = {}
     for name, ranks, k in (("seq", 1, 1), ("r1", 1, 3), ("r2", 2, 3)):
         out = str(tmp_path / name)

@@ -71,7 +71,9 @@ class _ResidualBlock(nn.Module):
     residual branch of the whole batch is kept with probability ``keep_prob``
     (one Bernoulli draw per block per forward, from ``generator`` when one is
     set, else from torch's default generator), at evaluation it is scaled by
-    ``keep_prob``. The slimmed path ignores it.
+    ``keep_prob``. The slimmed path ignores it. ``client_keep``: K clients' rows folded into one
+    batch (``--clients-at-once``, :mod:`fedhpc.batched`) each keep or drop the branch by their own
+    draw, made before the forward: a (K,) 0/1 tensor (None: the single draw above).
     """
 
     expansion = 1
@@ -83,6 +85,7 @@ class _ResidualBlock(nn.Module):
         self.norm = norm
         self.keep_prob = 1.0
         self.generator: Optional[torch.Generator] = None
+        self.client_keep: Optional[torch.Tensor] = None
         self.projection: Optional[nn.Sequential] = None
 
     def _make_projection(self, in_ch: int, out_ch: int, stride: int) -> None:
@@ -93,6 +96,11 @@ class _ResidualBlock(nn.Module):
 
     def residual(self, x: torch.Tensor, width: Optional[float] = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def residual_branch(self) -> List[str]:
+        """The submodules ``residual`` runs (all but the projection shortcut): what a dropped block
+        leaves untouched."""
+        return [name for name, _ in self.named_children() if name != "projection"]
 
     def shortcut(self, x: torch.Tensor, width: Optional[float] = None) -> torch.Tensor:
         if self.projection is None:
@@ -105,6 +113,13 @@ class _ResidualBlock(nn.Module):
     def forward(self, x: torch.Tensor, width: Optional[float] = None) -> torch.Tensor:
         if width is None and self.keep_prob < 1.0:
             if self.training:
+                if self.client_keep is not None:
+                    keep = self.client_keep
+                    if bool(keep.all()):
+                        return F.relu(self.residual(x) + self.shortcut(x))
+                    # 1 * r + s == r + s and 0 * r + s == s: each client's rows as its own draw gives them
+                    rows = keep.to(device=x.device, dtype=x.dtype).repeat_interleave(x.shape[0] // len(keep))
+                    return F.relu(rows.view((-1,) + (1,) * (x.dim() - 1)) * self.residual(x) + self.shortcut(x))
                 if float(torch.rand((), generator=self.generator)) >= self.keep_prob:
                     return F.relu(self.shortcut(x))
                 return F.relu(self.residual(x) + self.shortcut(x))

@@ -12,12 +12,23 @@ the whole batch, from a generator seeded by (seed, round, client) (the
 ``"stochdepth"`` stream: one ``torch.rand(())`` per block in block order, batch
 after batch). Everything else is FedAvg; the global model is evaluated with the
 residuals scaled, in the engine as in ``python -m fedhpc.analysis.hessian``.
+
+Batched clients (``--clients-at-once K``, :mod:`fedhpc.batched`): before each step every client
+draws its blocks' Bernoullis from its own stream, in the order its sequential forward draws them;
+each block keeps or drops its residual branch client by client (``client_keep``). What a dropped
+block leaves alone in the sequential step stays alone for that client: its branch's parameters take
+no step (``ClientGroup.skip``: torch's SGD skips None gradients, no momentum, no weight decay) and its
+BatchNorm running statistics keep their values (restored after the forward).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
 
+import torch
+
+from ...batched import weighted_task_loss
 from ...errors import ConfigError
 from .. import register_algorithm
 from .local_reg import LocalRegAlgorithm, LocalRegOptions, require_resnet
@@ -41,16 +52,13 @@ class StochDepth(LocalRegAlgorithm):
 
     Options = StochDepthOptions
     auto_model_kind = "residual"
-    #: why --clients-at-once > 1 is refused (fedhpc.batched.check_batchable)
-    not_batchable_because = (
-        "each client drops whole residual blocks for a batch at a time, and a dropped block's parameters "
-        "take no step at all (no gradient: torch's SGD skips them, no weight decay, no momentum) and its "
-        "BatchNorm statistics stay as they are, which one stacked forward and optimiser step over all "
-        "clients' parameters cannot reproduce")
+    #: CE steps on the model whose blocks drop (local_update); batched_loss: K clients, each its own drops
+    batchable = True
 
     def setup(self):
         super().setup()
         require_resnet(self, "set_stochastic_depth", "set_depth_generator")
+        self._branch_names: Optional[List[Tuple[List[str], List[str]]]] = None  # made on first use
 
     # The keep probabilities go onto the shared model when training starts (every round,
     # and on resume, which may evaluate without a round), not at construction: until then
@@ -71,3 +79,64 @@ class StochDepth(LocalRegAlgorithm):
             super().local_update(model, ctx)
         finally:
             model.set_depth_generator(None)
+
+    # ---------------------------------------------------------------- K clients at once
+    def _branches(self) -> List[Tuple[List[str], List[str]]]:
+        """Per residual block: the names (in the model's state) of its branch's parameters and float
+        buffers, what a client that drops the block leaves alone."""
+        if self._branch_names is None:
+            names = {id(m): n for n, m in self.model.named_modules()}
+            branches = []
+            for block in self.model.blocks:
+                params, buffers = [], []
+                for child in block.residual_branch():
+                    prefix = f"{names[id(block)]}.{child}."
+                    module = getattr(block, child)
+                    params += [prefix + n for n, _ in module.named_parameters()]
+                    buffers += [prefix + n for n, b in module.named_buffers() if b.is_floating_point()]
+                branches.append((params, buffers))
+            self._branch_names = branches
+        return self._branch_names
+
+    def batched_local_update(self, group):
+        # Every block keeps its branch for all clients outside the steps' forwards (the batched path's
+        # one-off check of its folded forward against vmap runs the model in training mode): no draw
+        # from torch's generator, which the sequential path never makes.
+        for block in self.model.blocks:
+            block.client_keep = torch.ones(len(group.ctxs))
+        try:
+            return super().batched_local_update(group)
+        finally:
+            for block in self.model.blocks:
+                block.client_keep = None
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` (cross-entropy) for K clients, each dropping the blocks its own draws drop."""
+        blocks = self.model.blocks
+        keep = torch.ones(len(blocks), len(group.ctxs))
+        for i, ctx in enumerate(group.ctxs):
+            if not group.active[i]:
+                continue  # takes no step: draws nothing, as it runs no forward
+            gen = ctx.extra.setdefault("depth_gen", ctx.generator("stochdepth"))
+            for l, block in enumerate(blocks):
+                if block.keep_prob < 1.0:  # the sequential forward's draw, block after block
+                    keep[l, i] = float(float(torch.rand((), generator=gen)) < block.keep_prob)
+        dropped = [(l, (keep[l] == 0).nonzero().flatten().tolist()) for l in range(len(blocks))]
+        dropped = [(l, clients) for l, clients in dropped if clients]
+        branches = self._branches()
+        saved = {name: group.buffers[name].clone() for l, _ in dropped for name in branches[l][1]}
+        try:
+            for l, block in enumerate(blocks):
+                block.client_keep = keep[l]
+            logits = group.forward(x)
+        finally:
+            for block in blocks:
+                block.client_keep = torch.ones(len(group.ctxs))
+        for l, clients in dropped:
+            params, buffers = branches[l]
+            mask = (keep[l] == 0).to(x.device)
+            for name in buffers:  # the forward updated every client's statistics: a dropped block's stay
+                rows = group.buffers[name]
+                rows.copy_(torch.where(mask.view((-1,) + (1,) * (rows.dim() - 1)), saved[name], rows))
+            group.skip(clients, params)
+        return weighted_task_loss(logits, y, weight)
