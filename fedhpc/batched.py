@@ -43,16 +43,16 @@ hook ``batched_loss(group, x, y, weight) -> (K,)`` (see :class:`ClientGroup`); t
 sequential ``loss`` stays the reference. Today: FedAvg, FedProx, NaiveMix, FedMix, LocalMix,
 GlobalMix, Mixup, MOON, FedAlign, StochDepth (each client's own dropped blocks: ``ClientGroup.skip``;
 GradAug is refused, saying why), and the personalised
-FedPer, LG-FedAvg, FedSim, pMixFed (-Dynamic), FedBABU, FedAlt and Ditto (Per-FedAvg is
-refused, saying why), whose ``download`` builds the model a client trains (personal layers,
-pMixFed's mix) before the batched steps start, as it does before the sequential ones; and the FD
+FedPer, LG-FedAvg, FedSim, pMixFed (-Dynamic), FedBABU, FedAlt, Ditto and Per-FedAvg (its
+meta-steps in its ``batched_local_update``), whose ``download`` builds the model a client trains
+(personal layers, pMixFed's mix) before the batched steps start, as it does before the sequential ones; and the FD
 family's devices (FD on its own model and teacher table, FLD / MixFLD / Mix2FLD on the global
 model), each adding its own per-label output sums (Eq. 2) as one stacked table
 (:class:`fedhpc.exchanges.label_outputs.GroupLabelOutputs`). A subclass that overrides a hook of
 the local update (``LOCAL_UPDATE_HOOKS``: ``loss``, ``local_update``, ``make_optimizer``,
-``mix_loss``, the personalised family's phases...) without declaring ``batchable`` itself is
-refused, so a method never inherits a batched path that no longer matches its loss; a method
-refused may say why (``not_batchable_because``: Per-FedAvg's meta-steps).
+``mix_loss``, the personalised family's phases, Per-FedAvg's meta-gradient...) without declaring
+``batchable`` itself is refused, so a method never inherits a batched path that no longer matches its
+loss; a method refused may say why (``not_batchable_because``: GradAug's sub-networks).
 
 An update with phases, frozen parts or a second model overrides ``batched_local_update(group)``
 (default: one :func:`train_group` call), mirroring its ``local_update`` with
@@ -116,9 +116,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: hooks whose override changes the local update: an override must come with its own opt-in
 #: (train_epochs / joint_update / personal_phase / personal_step: the personalised family's local
-#: update, fedhpc.algorithms.personal; batched_local_update: the batched path's own)
+#: update, fedhpc.algorithms.personal; meta_gradient / sgd_step: Per-FedAvg's meta-step;
+#: batched_local_update: the batched path's own)
 LOCAL_UPDATE_HOOKS = ("loss", "local_update", "make_optimizer", "mix_loss", "train_epochs", "joint_update",
-                      "personal_phase", "personal_step", "batched_local_update")
+                      "personal_phase", "personal_step", "meta_gradient", "sgd_step", "batched_local_update")
 
 
 # --------------------------------------------------------------------------- what a hook sees
@@ -864,6 +865,12 @@ class StackedModel:
         """One optimizer step of every client on the gradient of its own loss (``losses`` (K,));
         ``active`` (K,) bool, or None when every client takes the step; ``skipped`` (K, num_params)
         bool: client k's parameters that took no part in its loss (ClientGroup.skip), not stepped."""
+        self.apply(self.gradient(losses), active, skipped)
+
+    def gradient(self, losses: torch.Tensor) -> Optional[torch.Tensor]:
+        """Write the gradient of each client's loss (``losses`` (K,)) at the current states into
+        ``self.grad`` (K, P); returns the step's columns: those of the parameters the losses use,
+        or None when they use all."""
         grads = torch.autograd.grad(losses.sum(), self.leaves, allow_unused=True)
         unused: Tuple[int, ...] = ()  # the leaves the loss does not use
         with torch.no_grad():
@@ -881,6 +888,12 @@ class StackedModel:
             if columns is None:
                 columns = self._columns_of([e for i, e in enumerate(self.trained) if i not in unused])
                 self._columns_with_gradient[unused] = columns
+        return columns
+
+    def apply(self, columns: Optional[torch.Tensor], active: Optional[torch.Tensor],
+              skipped: Optional[torch.Tensor] = None) -> None:
+        """The optimiser's step on ``self.grad`` (what :meth:`gradient` wrote, or a method's own
+        combination of gradients: Per-FedAvg's meta-gradient); arguments as :meth:`step`'s."""
         if skipped is not None:
             if columns is None:
                 columns = self.opt.columns[0] if self.opt.columns is not None else self._columns_of(self.trained)

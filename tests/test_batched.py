@@ -560,7 +560,8 @@ def test_dropout_and_batchnorm_outside_the_grouped_kernels_are_refused(wrap, mat
 
 
 @pytest.mark.parametrize("kw,algo,match", [
-    ({}, "per_fedavg", "not declared batchable"),
+    ({"model": "resnet_digits", "model_options": {"width": 4}}, "gradaug",
+     "not declared batchable: each client trains sub-networks"),
 ])
 def test_refused_with_a_config_error(kw, algo, match):
     eng = make_engine(algo, None, **kw)
@@ -657,8 +658,8 @@ def test_engine_with_a_channel_books_each_clients_own_payload():
 
 @needs_engine_dispatch
 def test_engine_refuses_a_run_it_cannot_batch_before_training():
-    with pytest.raises(ConfigError, match="not declared batchable: its meta-steps"):
-        make_engine("per_fedavg", None, clients_at_once=4)
+    with pytest.raises(ConfigError, match="not declared batchable: each client trains sub-networks"):
+        make_engine("gradaug", None, model="resnet_digits", model_options={"width": 4}, clients_at_once=4)
 
 
 # ----------------------------------------------------------------------------- grouped kernels vs vmap

@@ -224,12 +224,26 @@ def test_personal_methods_over_rounds_equal_sequential(algo):
     assert assert_own_models_equal(seq, bat, envelope=env) >= 6  # most clients trained, some twice
 
 
-def test_per_fedavg_stays_refused_and_says_why():
-    """FedBABU, FedAlt and Ditto are batched (tests/test_batched_personal.py); Per-FedAvg's meta-steps
-    (inner step, gradient at the adapted weights, restore) on wrapping groups of batches are not."""
-    eng = make_engine("per_fedavg")
-    with pytest.raises(ConfigError, match=r"not declared batchable: its meta-steps .* wrap around each client's"):
+def test_a_subclass_of_per_fedavg_changing_its_meta_step_is_refused():
+    """Per-FedAvg's batched update mirrors its meta-step (tests/test_batched_personal.py): a subclass with
+    another meta-gradient or inner step would inherit a batched path that no longer matches it."""
+    from fedhpc.algorithms.personal.per_fedavg import PerFedAvg
+
+    class DampedMetaGradient(PerFedAvg):
+        def meta_gradient(self, model, batches, ctx):
+            loss, g = super().meta_gradient(model, batches, ctx)
+            return loss, [0.5 * gi for gi in g]
+
+    class NesterovInnerStep(PerFedAvg):
+        def sgd_step(self, model, grads, lr):
+            super().sgd_step(model, grads, 2 * lr)
+
+    for cls, hook in ((DampedMetaGradient, "meta_gradient"), (NesterovInnerStep, "sgd_step")):
+        eng = make_engine("per_fedavg")
         check_batchable(eng.algo, eng.model, eng.cfg)
+        eng.algo.__class__ = cls
+        with pytest.raises(ConfigError, match=f"{cls.__name__}.{hook} overrides"):
+            check_batchable(eng.algo, eng.model, eng.cfg)
 
 
 def test_a_subclass_of_a_phased_method_changing_a_phase_is_refused():
@@ -257,11 +271,12 @@ def test_a_subclass_of_a_phased_method_changing_a_phase_is_refused():
 #: a method drawing its own random numbers (Mixup), a personal one (pMixFed: client state on the rank
 #: that trains it), the main job's Mix2FLD (each device's Eq. 2 sums, then the server's conversion) and
 #: GlobalMix (partners drawn from the pool every rank gathers), StochDepth (each client's own drops, on the
-#: residual network: its flags come last and override the CNN);
+#: residual network: its flags come last and override the CNN), Per-FedAvg (its meta-steps' own batches);
 #: FedProx's anchor and FedPer's personal layers are the same machinery, checked against sequential above
 @pytest.mark.parametrize("algo", [["--algo", "mixup", "--gamma", "0.4"], ["--algo", "pmixfed"],
                                   ["--algo", "mix2fld"], ["--algo", "globalmix", "--mix-alpha", "0.5"],
-                                  ["--algo", "stochdepth", "--final-keep-prob", "0.4", "--model", "resnet_digits"]],
+                                  ["--algo", "stochdepth", "--final-keep-prob", "0.4", "--model", "resnet_digits"],
+                                  ["--algo", "per_fedavg"]],
                          ids=lambda a: a[1])
 def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path, algo):
     """--clients-at-once 3 on 1 and 2 ranks, bit for bit (groups are cut before ranks are chosen;

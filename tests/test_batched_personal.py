@@ -1,4 +1,4 @@
-"""FedBABU, FedAlt and Ditto on the batched path (fedhpc.batched, --clients-at-once > 1): every client's
+"""FedBABU, FedAlt, Ditto and Per-FedAvg on the batched path (fedhpc.batched, --clients-at-once > 1): every client's
 model within float rounding of its sequential local update (clients of unequal sizes, 2 epochs,
 momentum + weight decay, the MLP and the digits CNN with dropout and BatchNorm), and the parts their
 updates freeze bit for bit where they started.
@@ -7,7 +7,9 @@ Their updates are more than train_group's one phase of plain steps: FedBABU's he
 to the optimiser, BatchNorm in it in eval mode), FedAlt trains its personal part then its shared part
 (each phase a fresh optimiser, the other part frozen, epochs numbered on through both), Ditto steps a
 personal model towards the global one before each step of the global model (two stacked models, one
-dropout stream per client). Per-FedAvg stays sequential (tests/test_batched_more.py).
+dropout stream per client), Per-FedAvg takes meta-steps on groups of 2 (FO) or 3 (HF) batches that wrap
+around each client's own epoch (an inner step of size alpha, the gradient at the adapted weights,
+the weights restored; HF's two finite-difference passes on rewound dropout masks).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ PERSONAL = {
     "fedbabu": {},
     "fedalt": {"personal_epochs": 1},
     "ditto": {"lam": 0.5, "personal_steps": 2},
+    # HF: the first-order meta-step and the Hessian-vector product's two passes; alpha twice the default
+    "per_fedavg": {"variant": "hf", "alpha": 0.02},
 }
 
 
@@ -90,6 +94,23 @@ def test_round_zero_clients_equal_sequential(algo, model):
             assert float((v_s - w_s).abs().max()) > 1e-3  # a model of its own, not the global one
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_per_fedavg_first_order_in_groups_that_do_not_divide(optimizer):
+    """FO meta-steps (groups of 2 batches) in groups of 5 + 1 clients, with SGD and with Adam (the outer
+    step; the inner one stays plain SGD of size alpha), on the CNN with dropout and BatchNorm."""
+    kw = dict(BOTH, optimizer=optimizer, **({"lr": 0.003, "momentum": 0.0} if optimizer == "adam" else {}))
+    opts = {"variant": "fo"}
+    start = make_engine("per_fedavg", opts, **kw).global_state.clone()
+    seq = sequential_round0(make_engine("per_fedavg", opts, **kw))
+    bat = batched_round0(make_engine("per_fedavg", opts, **kw), k=5)
+    envelope = Round0Envelope(seq, lambda s: sequential_round0(make_engine("per_fedavg", opts, perturb=s, **kw)))
+    for cid in seq:
+        diff = float((seq[cid][0] - bat[cid][0]).abs().max())
+        assert_close_or_discrete(diff, TOL, envelope(cid, 0), f"client {cid}'s weights")
+        assert seq[cid][2] == bat[cid][2]
+        assert float((seq[cid][0] - start).abs().max()) > 1e-2
+
+
 @pytest.mark.parametrize("algo", list(PERSONAL))
 def test_personal_methods_over_rounds_equal_sequential(algo):
     """Three rounds through Engine.run_round: from round 1 on FedAlt's and Ditto's clients start from
@@ -99,10 +120,14 @@ def test_personal_methods_over_rounds_equal_sequential(algo):
     personalised models (the final global model fine-tuned per client) are compared instead.
 
     FedBABU on the CNN with BatchNorm only: with dropout too, its sequential run alone ends round 3
-    6e-4 away when its start moves 1e-7 (with BatchNorm alone 5e-7; the batched run 4e-8 from it)."""
+    6e-4 away when its start moves 1e-7 (with BatchNorm alone 5e-7; the batched run 4e-8 from it).
+    Per-FedAvg first-order over rounds: HF's finite differences (alpha / 2d = 10 here) amplify rounding,
+    its sequential run alone ending round 3 1e-2 away when its start moves by a few ulps (the batched run
+    2e-3; round 1: 6e-8); FO's 1.2e-7 (HF is checked client by client in round 0 above)."""
     kw = dict(BATCHNORM if algo == "fedbabu" else BOTH, lr=0.01, momentum=0.5)
-    seq, m_seq = run_rounds(1, algo, PERSONAL[algo], rounds=3, **kw)
-    bat, m_bat = run_rounds(4, algo, PERSONAL[algo], rounds=3, **kw)
+    options = {"variant": "fo"} if algo == "per_fedavg" else PERSONAL[algo]
+    seq, m_seq = run_rounds(1, algo, options, rounds=3, **kw)
+    bat, m_bat = run_rounds(4, algo, options, rounds=3, **kw)
     assert float((seq.global_state - bat.global_state).abs().max()) <= 3 * TOL
     for a, b in zip(m_seq, m_bat):
         assert abs(a["train_loss"] - b["train_loss"]) <= TOL

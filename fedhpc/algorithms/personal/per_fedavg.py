@@ -13,6 +13,12 @@ from w' and was not reproducible); BatchNorm statistics keep what every forward 
 Each epoch's batches are taken in groups of 2 (FO) or 3 (HF) in order; a short last group is
 completed with the epoch's first batches. FedAvg aggregates w.
 
+Batched clients (``--clients-at-once K``, :mod:`fedhpc.batched`): the same meta-steps on K clients'
+stacked weights, meta-step m of every client at once, each client on its own group of batches
+(its own epoch, wrapped at its own length; a client with fewer groups sits out the later
+meta-steps). Each pass reads its batch's real rows (dropout masks from the client's own stream, HF's
+two passes rewound to the same masks; BatchNorm statistics over its real rows, updated by every pass).
+
 Personalised evaluation (the paper's: one step of local adaptation before testing): each
 client's model is the current global model after ``--adapt-steps`` (1) plain SGD steps of
 size alpha on its own training batches, epoch 0's batches in order, then epoch 1's, ... until
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...batched import ClientGroup, epoch_batches
 from ...errors import ConfigError
 from .. import register_algorithm
 from .base import PersonalAlgorithm, PersonalOptions
@@ -72,11 +79,8 @@ class PerFedAvg(PersonalAlgorithm):
     """Per-FedAvg: MAML-style local meta-steps (FO or HF), FedAvg; one adaptation step to personalise."""
 
     Options = PerFedAvgOptions
-    #: why --clients-at-once > 1 refuses it (fedhpc.batched.check_batchable names this)
-    not_batchable_because = ("its meta-steps (an inner step of size alpha, the gradient at the adapted weights, "
-                             "the weights restored; HF's finite differences on rewound dropout masks) run on "
-                             "groups of 2 or 3 batches that wrap around each client's own epoch, not the "
-                             "batched path's one step per batch")
+    #: its own opt-in: local_update's meta-steps have their batched twin in batched_local_update
+    batchable = True
 
     def grads(self, model, x, y, ctx):
         loss = self.loss(model, x, y, ctx)
@@ -126,6 +130,75 @@ class PerFedAvg(PersonalAlgorithm):
                     torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
                 opt.step()
                 ctx.record(loss, group[1][1].shape[0])
+
+    def batched_local_update(self, group):
+        """``local_update`` for K clients at once (fedhpc.batched.GroupTraining): meta-step m of each
+        client on its own batches (m k + j) mod n_batches, j < k, in one stacked pass per batch."""
+        o, cfg = self.options, self.cfg
+        k = 3 if o.variant == "hf" else 2
+        stacked = group.stacked(self.model, self.flat, group.starts)
+        ctxs, n, p = group.ctxs, len(group.ctxs), self.flat.num_params
+        device = group.starts.device
+        clients = torch.arange(n, device=device)
+        loss_sums = torch.zeros(n, dtype=torch.float64, device=device)
+        weights = stacked.theta[:, :p]  # (K, num_params): the clients' w, stepped in place
+
+        def pass_on(eb, batches, forward, active, j, m):
+            """The clients' losses (K,) on batch j of their meta-step m's group (``batches``: how many
+            each client has this epoch), and its real rows; a client sitting out reads its batch 0 at
+            weight 0 (its step is masked out too)."""
+            index = [(m * k + j) % b if on else 0 for on, b in zip(active, batches)]
+            rows = [eb.real[i][b] if active[i] else 0 for i, b in enumerate(index)]
+            at = torch.tensor(index, device=device)
+            x, y = eb.x[clients, at], eb.y[clients, at]
+            weight = eb.weight[clients, at] * torch.tensor(active, dtype=eb.weight.dtype, device=device)[:, None]
+
+            def forward_rows(inputs, real=None):  # this batch's real rows unless a call names its own
+                return forward(inputs, real=rows if real is None else real)
+            view = ClientGroup(forward_rows, stacked.params, ctxs, active, rows, self.flat, stacked.buffers)
+            return self.batched_loss(view, x, y, weight), rows
+
+        for epoch in range(cfg.local_epochs):
+            eb = epoch_batches(ctxs, epoch, cfg.batch_size)
+            if eb is None:
+                continue
+            forward = stacked.forward(eb.x[:, 0])
+            batches = [sum(1 for rows in real if rows > 0) for real in eb.real]
+            for m in range(max(-(-b // k) for b in batches)):
+                active = [m * k < b for b in batches]
+                w = weights.detach().clone()
+                stacked.gradient(pass_on(eb, batches, forward, active, 0, m)[0])
+                with torch.no_grad():
+                    weights.sub_(stacked.grad[:, :p], alpha=o.alpha)              # w' = w - alpha grad f(w; D1)
+                loss, real = pass_on(eb, batches, forward, active, 1, m)
+                columns = stacked.gradient(loss)                                # grad f(w'; D2)
+                with torch.no_grad():
+                    weights.copy_(w)                                            # restore w
+                if o.variant == "hf":
+                    g = stacked.grad[:, :p].clone()
+                    rng = stacked.step_rows.rng
+                    rewind = list(rng) if rng is not None else None
+                    with torch.no_grad():
+                        weights.sub_(g, alpha=-o.delta)                         # w + d g
+                    stacked.gradient(pass_on(eb, batches, forward, active, 2, m)[0])
+                    gp = stacked.grad[:, :p].clone()
+                    if rewind is not None:
+                        rng[:] = rewind  # the same dropout masks for the second pass
+                    with torch.no_grad():
+                        weights.copy_(w).sub_(g, alpha=o.delta)                 # w - d g
+                    stacked.gradient(pass_on(eb, batches, forward, active, 2, m)[0])
+                    with torch.no_grad():
+                        weights.copy_(w)
+                        gm = stacked.grad[:, :p]
+                        stacked.grad[:, :p] = g - o.alpha * (gp - gm) / (2 * o.delta)
+                stacked.apply(columns, None if all(active) else torch.tensor(active, device=device))
+                counts = torch.tensor(real, dtype=torch.float64, device=device)
+                loss_sums.add_(loss.detach().double() * counts)
+                for ctx, rows in zip(ctxs, real):
+                    ctx.samples += rows
+        for i, ctx in enumerate(ctxs):
+            ctx.loss_sum.add_(loss_sums[i])
+        return stacked.states()
 
     def one_step_adaptation(self, model, ctx):
         """``adapt_steps`` plain SGD steps of size alpha on the client's training batches: epoch
