@@ -10,8 +10,8 @@ sequential, growing with the rounds), so the speed is that of the same work.
 The rows: the main job (``launch/mix2fld_digits.yaml``: 10 devices, an MLP, the channel model, K_s
 server steps a round that are not batched) and the same with the server's conversion cut to one step
 (``--server-steps 1``: the devices' share of the round), FD on its own models; the personal methods
-that opted in (FedBABU, FedAlt, Ditto, Per-FedAvg HF), GlobalMix (partners from the raw pool) and StochDepth / MOON /
-FedAlign on their small models.
+that opted in (FedBABU, FedAlt, Ditto, Per-FedAvg HF), GlobalMix (partners from the raw pool) and StochDepth / GradAug /
+MOON / FedAlign on their small models.
 
     python benchmarks/bench_batched_families.py [--rounds 8] [--warmup 2] [--k 10] [--only mix2fld,fd,...]
                                                 [--device cpu|cuda] [--json FILE]
@@ -49,6 +49,7 @@ ROWS = {
     "per_fedavg": ["--algo", "per_fedavg", *SMALL, *CNN, "--variant", "hf"],
     "globalmix": ["--algo", "globalmix", *SMALL, *CNN, "--mix-alpha", "0.5"],
     "stochdepth": ["--algo", "stochdepth", *SMALL, *RESNET, "--final-keep-prob", "0.5"],
+    "gradaug": ["--algo", "gradaug", *SMALL, *RESNET],
     "moon": ["--algo", "moon", *SMALL, *RESNET, "--model-opt", "projection_dim=32"],
     "fedalign": ["--algo", "fedalign", *SMALL, *RESNET],
 }

@@ -41,8 +41,8 @@ Equal to the sequential path (within float rounding), client by client:
 Who is batched: an algorithm opts in with the class attribute ``batchable = True`` and a
 hook ``batched_loss(group, x, y, weight) -> (K,)`` (see :class:`ClientGroup`); the
 sequential ``loss`` stays the reference. Today: FedAvg, FedProx, NaiveMix, FedMix, LocalMix,
-GlobalMix, Mixup, MOON, FedAlign, StochDepth (each client's own dropped blocks: ``ClientGroup.skip``;
-GradAug is refused, saying why), and the personalised
+GlobalMix, Mixup, MOON, FedAlign, StochDepth (each client's own dropped blocks: ``ClientGroup.skip``),
+GradAug (each client's sub-networks on its own: :func:`client_stream`), and the personalised
 FedPer, LG-FedAvg, FedSim, pMixFed (-Dynamic), FedBABU, FedAlt, Ditto and Per-FedAvg (its
 meta-steps in its ``batched_local_update``), whose ``download`` builds the model a client trains
 (personal layers, pMixFed's mix) before the batched steps start, as it does before the sequential ones; and the FD
@@ -52,7 +52,8 @@ model), each adding its own per-label output sums (Eq. 2) as one stacked table
 the local update (``LOCAL_UPDATE_HOOKS``: ``loss``, ``local_update``, ``make_optimizer``,
 ``mix_loss``, the personalised family's phases, Per-FedAvg's meta-gradient...) without declaring
 ``batchable`` itself is refused, so a method never inherits a batched path that no longer matches its
-loss; a method refused may say why (``not_batchable_because``: GradAug's sub-networks).
+loss; a method refused may say why (``not_batchable_because``: the one-shot methods, whose devices
+do not train).
 
 An update with phases, frozen parts or a second model overrides ``batched_local_update(group)``
 (default: one :func:`train_group` call), mirroring its ``local_update`` with
@@ -96,6 +97,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -137,6 +139,8 @@ class ClientGroup:
     ``buffers``: name -> (K, *shape) views of the clients' running statistics (BatchNorm), which a
     training forward updates. ``skip(clients, names)``: those clients' parameters ``names`` took no
     part in this step's loss (a residual block they dropped), so they take no step (see :meth:`skip`).
+    ``rng``: each client's generator state (its dropout stream; None when the model draws nothing),
+    for a pass a hook runs for one client on its own (:func:`client_stream`).
     """
 
     forward: Callable[[torch.Tensor], torch.Tensor]
@@ -148,6 +152,7 @@ class ClientGroup:
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
     #: (K, num_params) bool, True where client k's parameter took no part in the step (set by skip)
     skipped: Optional[torch.Tensor] = None
+    rng: Optional[List[torch.Tensor]] = None
 
     def skip(self, clients: List[int], names: List[str]) -> None:
         """The parameters ``names`` of the clients at positions ``clients`` took no part in this
@@ -162,6 +167,26 @@ class ClientGroup:
         for name in names:
             e = entries[name]
             self.skipped[rows, e.offset:e.offset + e.numel] = True
+
+
+@contextmanager
+def client_stream(group: ClientGroup, k: int, device: torch.device) -> Iterator[None]:
+    """torch's generator of ``device`` at client ``k``'s state (``group.rng[k]``), for a pass of client
+    k's own (a sub-network under :func:`fedhpc.algorithms.local_learning.local_reg.client_weights`): its
+    dropout masks continue client k's stream as its sequential step's next forward does; the advanced
+    state goes back to ``group.rng[k]`` and torch's generator to where it was. Nothing to swap when the
+    model draws nothing (``group.rng`` None)."""
+    if group.rng is None:
+        yield
+        return
+    gen = device_generator(device)
+    saved = gen.get_state()
+    gen.set_state(group.rng[k])
+    try:
+        yield
+    finally:
+        group.rng[k] = gen.get_state()
+        gen.set_state(saved)
 
 
 def weighted_task_loss(logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -945,7 +970,8 @@ def train_group(algo: "Algorithm", model: nn.Module, flat, ctxs: List[ClientCont
             real = [eb.real[i][s] for i in range(k)]
             step.set(real, cfg.batch_size)
             active_list = [n > 0 for n in real]
-            group = ClientGroup(forward, stacked.params, ctxs, active_list, real, flat, stacked.buffers)
+            group = ClientGroup(forward, stacked.params, ctxs, active_list, real, flat, stacked.buffers,
+                                rng=step.rng)
             losses = loss(group, eb.x[:, s], eb.y[:, s], eb.weight[:, s])
             stacked.step(losses, None if all(active_list) else eb.counts[:, s] > 0, group.skipped)
             loss_sums.add_(losses.detach().double() * eb.counts[:, s])  # a masked-out client adds 0 * its 0 loss

@@ -559,14 +559,14 @@ def test_dropout_and_batchnorm_outside_the_grouped_kernels_are_refused(wrap, mat
         check_batchable(eng.algo, wrap(eng.model), eng.cfg)
 
 
-@pytest.mark.parametrize("kw,algo,match", [
-    ({"model": "resnet_digits", "model_options": {"width": 4}}, "gradaug",
-     "not declared batchable: each client trains sub-networks"),
-])
-def test_refused_with_a_config_error(kw, algo, match):
-    eng = make_engine(algo, None, **kw)
-    with pytest.raises(ConfigError, match=match):
-        check_batchable(eng.algo, eng.model, eng.cfg)
+@pytest.mark.parametrize("algo", ["standalone", "xormixfl", "mixfl"])
+def test_refused_with_a_config_error(algo):
+    """The one-shot methods: their devices do not train (the batched path has nothing to batch)."""
+    from fedhpc.batched import method_refusal
+
+    load_algorithm_modules()
+    refusal = method_refusal(ALGORITHMS.get(algo), algo)
+    assert refusal and "not declared batchable: one-shot" in refusal and "--clients-at-once 1" in refusal
 
 
 def test_the_advice_names_a_model_option_only_where_the_model_has_it():
@@ -658,8 +658,12 @@ def test_engine_with_a_channel_books_each_clients_own_payload():
 
 @needs_engine_dispatch
 def test_engine_refuses_a_run_it_cannot_batch_before_training():
-    with pytest.raises(ConfigError, match="not declared batchable: each client trains sub-networks"):
-        make_engine("gradaug", None, model="resnet_digits", model_options={"width": 4}, clients_at_once=4)
+    from fedhpc.config import parse_args
+
+    cfg, algo_options, data_options = parse_args(["--algo", "xormixfl", "--clients-at-once", "4", "--quiet",
+                                                  "--no-tensorboard", "--no-out"])
+    with pytest.raises(ConfigError, match="not declared batchable: one-shot"):
+        Engine(cfg, algo_options, data_options, World(threads=1))
 
 
 # ----------------------------------------------------------------------------- grouped kernels vs vmap

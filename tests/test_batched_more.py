@@ -271,12 +271,15 @@ def test_a_subclass_of_a_phased_method_changing_a_phase_is_refused():
 #: a method drawing its own random numbers (Mixup), a personal one (pMixFed: client state on the rank
 #: that trains it), the main job's Mix2FLD (each device's Eq. 2 sums, then the server's conversion) and
 #: GlobalMix (partners drawn from the pool every rank gathers), StochDepth (each client's own drops, on the
-#: residual network: its flags come last and override the CNN), Per-FedAvg (its meta-steps' own batches);
+#: residual network: its flags come last and override the CNN), Per-FedAvg (its meta-steps' own batches),
+#: GradAug (each client's sub-networks on its own, their dropout masks from its stream; mu 0.5: at its default
+#: 1.75 a rounding event in this run moves sequential vs batched by 5e-3 after 2 rounds, at 0.5 they agree
+#: to 1.2e-7, where a wrong mask or term would move them by far more at either mu);
 #: FedProx's anchor and FedPer's personal layers are the same machinery, checked against sequential above
 @pytest.mark.parametrize("algo", [["--algo", "mixup", "--gamma", "0.4"], ["--algo", "pmixfed"],
                                   ["--algo", "mix2fld"], ["--algo", "globalmix", "--mix-alpha", "0.5"],
                                   ["--algo", "stochdepth", "--final-keep-prob", "0.4", "--model", "resnet_digits"],
-                                  ["--algo", "per_fedavg"]],
+                                  ["--algo", "per_fedavg"], ["--algo", "gradaug", "--model", "resnet_digits", "--mu", "0.5"]],
                          ids=lambda a: a[1])
 def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path, algo):
     """--clients-at-once 3 on 1 and 2 ranks, bit for bit (groups are cut before ranks are chosen;

@@ -20,19 +20,26 @@ batch, from the ``"gradaug"`` generator of (seed, round, client), first the n wi
 (:func:`~fedhpc.algorithms.local_learning.local_reg.draw_widths`), then the n scale indices
 (:func:`~fedhpc.algorithms.local_learning.local_reg.draw_scales`); widths in decreasing order,
 scale i goes with width i.
+
+Batched clients (``--clients-at-once K``, :mod:`fedhpc.batched`): the full network's forward is one
+grouped pass over the K clients; each client's sub-networks (its own widths, its own resolutions:
+layers and inputs of other sizes per client) run client by client on its real rows under its own
+weights, their dropout masks from its own stream, as FedAlign's slimmed block does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn.functional as F
 
+from ...batched import client_stream, weighted_task_loss
 from ...errors import ConfigError
 from .. import register_algorithm
 from ..base import task_loss
-from .local_reg import (LocalRegAlgorithm, LocalRegOptions, draw_scales, draw_widths, parse_scales,
-                        require_resnet, resize)
+from .local_reg import (LocalRegAlgorithm, LocalRegOptions, client_weights, draw_scales, draw_widths,
+                        parse_scales, require_resnet, resize)
 
 
 @dataclass
@@ -63,10 +70,8 @@ class GradAug(LocalRegAlgorithm):
 
     Options = GradAugOptions
     auto_model_kind = "residual"
-    #: why --clients-at-once > 1 is refused (fedhpc.batched.check_batchable)
-    not_batchable_because = (
-        "each client trains sub-networks of its own random widths on its own random input resolutions at "
-        "every step, layers of different sizes per client that the grouped kernels cannot stack")
+    #: its own opt-in: batched_loss is ``loss`` for K clients, sub-networks client by client
+    batchable = True
 
     def setup(self):
         super().setup()
@@ -92,3 +97,27 @@ class GradAug(LocalRegAlgorithm):
             student = F.log_softmax(model.forward_width(resize(x, s), w), dim=-1)
             loss = loss + o.mu * F.kl_div(student, teacher, reduction="batchmean")
         return loss
+
+    def batched_loss(self, group, x, y, weight):
+        """``loss`` for K clients (fedhpc.batched): the full forward grouped; each active client draws
+        its widths and scales from its own stream and runs its sub-networks on its real rows under its
+        own weights (a client masked out of the step draws and runs nothing: its loss is 0)."""
+        o = self.options
+        logits = group.forward(x)
+        ce = weighted_task_loss(logits, y, weight)
+        losses = []
+        for i, (ctx, n) in enumerate(zip(group.ctxs, group.real)):
+            if n == 0:
+                losses.append(ce[i])
+                continue
+            gen = ctx.extra.setdefault("gradaug_gen", ctx.generator("gradaug"))
+            widths = draw_widths(gen, o.num_subnets, o.min_width, o.sandwich)
+            scales = draw_scales(gen, o.num_subnets, self.scales)
+            loss = ce[i]
+            teacher = F.softmax(logits[i, :n].detach(), dim=-1)
+            with client_weights(self.model, group.params, i) as model, client_stream(group, i, x.device):
+                for w, s in zip(widths, scales):
+                    student = F.log_softmax(model.forward_width(resize(x[i, :n], s), w), dim=-1)
+                    loss = loss + o.mu * F.kl_div(student, teacher, reduction="batchmean")
+            losses.append(loss)
+        return torch.stack(losses)

@@ -194,6 +194,8 @@ class OneShotServer(Algorithm):
     auto_settings = {"rounds": (1, "one-shot: the server trains once, in the first round")}
     #: whether uploads are linear mixes of raw samples (recoverable given one part): the audit's flag
     linear_mix = False
+    #: why --clients-at-once > 1 is refused (fedhpc.batched.check_batchable)
+    not_batchable_because = "one-shot: devices do not train (they encode once; the server trains)"
 
     def setup(self):
         self.options = self.options or self.Options()

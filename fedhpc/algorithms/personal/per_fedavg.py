@@ -155,7 +155,8 @@ class PerFedAvg(PersonalAlgorithm):
 
             def forward_rows(inputs, real=None):  # this batch's real rows unless a call names its own
                 return forward(inputs, real=rows if real is None else real)
-            view = ClientGroup(forward_rows, stacked.params, ctxs, active, rows, self.flat, stacked.buffers)
+            view = ClientGroup(forward_rows, stacked.params, ctxs, active, rows, self.flat, stacked.buffers,
+                               rng=stacked.step_rows.rng)
             return self.batched_loss(view, x, y, weight), rows
 
         for epoch in range(cfg.local_epochs):
