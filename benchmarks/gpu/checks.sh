@@ -111,7 +111,8 @@ acceptance)
   timeout 60 $PY benchmarks/profile_round.py --device cuda --only cnn,lenet5 --rounds 2 --warmup 2 \
     --trace-dir "$OUT/traces" --json "$OUT/profile_round.json" 2>&1 | grep -v '^USDT' | tee "$OUT/profile_round.txt" | head -12
   step "issue 41: batched equality tests on CUDA"
-  timeout 120 $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_batched.py tests/test_batched_more.py \
+  # -n 8: every method whose devices train is batched now (more launcher runs than the 4 workers finished in)
+  timeout 120 $PY -m pytest -q -p no:cacheprovider -n 8 tests/test_batched.py tests/test_batched_more.py \
     tests/test_batched_distillation.py tests/test_batched_personal.py tests/test_batched_local_learning.py 2>&1 \
     | tee "$OUT/test_batched_gpu.txt" | tail -6
   ;;
