@@ -269,17 +269,25 @@ def test_a_subclass_of_a_phased_method_changing_a_phase_is_refused():
 
 
 #: a method drawing its own random numbers (Mixup), a personal one (pMixFed: client state on the rank
-#: that trains it), the main job's Mix2FLD (each device's Eq. 2 sums, then the server's conversion) and
+#: that trains it), the main job's Mix2FLD (each device's Eq. 2 sums, then the server's conversion),
 #: GlobalMix (partners drawn from the pool every rank gathers), StochDepth (each client's own drops, on the
 #: residual network: its flags come last and override the CNN), Per-FedAvg (its meta-steps' own batches),
-#: GradAug (each client's sub-networks on its own, their dropout masks from its stream; mu 0.5: at its default
-#: 1.75 a rounding event in this run moves sequential vs batched by 5e-3 after 2 rounds, at 0.5 they agree
-#: to 1.2e-7, where a wrong mask or term would move them by far more at either mu);
+#: GradAug (each client's sub-networks on its own, their dropout masks from its stream: 1 vs 2 ranks only,
+#: see RANKS_ONLY);
 #: FedProx's anchor and FedPer's personal layers are the same machinery, checked against sequential above
+#: methods compared here on 1 and 2 ranks only, not with the sequential run: GradAug's runs in this setting
+#: reach rounding events (a ReLU or a resized pixel decided by its last bit) that the sequential path itself
+#: reaches when its start moves by a few ulps: on this machine one client of round 0 lands 5e-3 from its
+#: sequential twin, and perturbed sequential runs land 5e-3 and 4.7e-3 from it too (at --mu 0.5: 1.2e-7
+#: natively, 3.3e-4 under ATEN_CPU_CAPABILITY=default). tests/test_batched_local_learning.py checks it
+#: against the sequential path client by client, with the envelope of perturbed sequential runs.
+RANKS_ONLY = {"gradaug"}
+
+
 @pytest.mark.parametrize("algo", [["--algo", "mixup", "--gamma", "0.4"], ["--algo", "pmixfed"],
                                   ["--algo", "mix2fld"], ["--algo", "globalmix", "--mix-alpha", "0.5"],
                                   ["--algo", "stochdepth", "--final-keep-prob", "0.4", "--model", "resnet_digits"],
-                                  ["--algo", "per_fedavg"], ["--algo", "gradaug", "--model", "resnet_digits", "--mu", "0.5"]],
+                                  ["--algo", "per_fedavg"], ["--algo", "gradaug", "--model", "resnet_digits"]],
                          ids=lambda a: a[1])
 def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path, algo):
     """--clients-at-once 3 on 1 and 2 ranks, bit for bit (groups are cut before ranks are chosen;
@@ -306,6 +314,8 @@ def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path, a
     unequal = {n: float((one[n].double() - two[n].double()).abs().max()) for n in one if not torch.equal(one[n], two[n])}
     assert not unequal, unequal
     assert one_losses == two_losses
+    if algo[1] in RANKS_ONLY:
+        return
     diff = max(float((one[n].double() - seq[n].double()).abs().max()) for n in seq if seq[n].is_floating_point())
     assert diff <= 3 * TOL, diff
     assert all(abs(a[0] - b[0]) <= TOL for a, b in zip(one_losses, seq_losses))
