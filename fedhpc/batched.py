@@ -170,9 +170,27 @@ class ClientGroup:
 
 
 @contextmanager
+def client_weights(model: nn.Module, stacked: Dict[str, torch.Tensor], k: int) -> Iterator[nn.Module]:
+    """``model`` holding client k's weights, row k of the batched path's (K, *shape) parameter views
+    (``ClientGroup.params``), for a pass the grouped kernels do not compute (FedAlign's slimmed last
+    block, GradAug's sub-networks); gradients flow back to the views. Buffers stay the model's own."""
+    saved = []
+    try:
+        for mod_name, module in model.named_modules():
+            for pname, p in list(module._parameters.items()):
+                if p is not None:
+                    saved.append((module._parameters, pname, p))
+                    module._parameters[pname] = stacked[f"{mod_name}.{pname}" if mod_name else pname][k]
+        yield model
+    finally:
+        for slot, pname, p in saved:
+            slot[pname] = p
+
+
+@contextmanager
 def client_stream(group: ClientGroup, k: int, device: torch.device) -> Iterator[None]:
     """torch's generator of ``device`` at client ``k``'s state (``group.rng[k]``), for a pass of client
-    k's own (a sub-network under :func:`fedhpc.algorithms.local_learning.local_reg.client_weights`): its
+    k's own (a sub-network under :func:`client_weights`): its
     dropout masks continue client k's stream as its sequential step's next forward does; the advanced
     state goes back to ``group.rng[k]`` and torch's generator to where it was. Nothing to swap when the
     model draws nothing (``group.rng`` None)."""

@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...batched import weighted_task_loss
+from ...batched import client_weights, weighted_task_loss
 from ...errors import ConfigError
 from .. import register_algorithm
 from ..base import task_loss
-from .local_reg import (LocalRegAlgorithm, LocalRegOptions, client_weights, lipschitz_loss, require_resnet,
-                        top_singular_value, transmitting_matrix)
+from .local_reg import (LocalRegAlgorithm, LocalRegOptions, lipschitz_loss, require_resnet, top_singular_value,
+                        transmitting_matrix)
 
 
 @dataclass

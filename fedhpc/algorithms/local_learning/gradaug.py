@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ...batched import client_stream, weighted_task_loss
+from ...batched import client_stream, client_weights, weighted_task_loss
 from ...errors import ConfigError
 from .. import register_algorithm
 from ..base import task_loss
-from .local_reg import (LocalRegAlgorithm, LocalRegOptions, client_weights, draw_scales, draw_widths,
-                        parse_scales, require_resnet, resize)
+from .local_reg import (LocalRegAlgorithm, LocalRegOptions, draw_scales, draw_widths, parse_scales,
+                        require_resnet, resize)
 
 
 @dataclass

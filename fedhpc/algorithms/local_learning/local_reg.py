@@ -16,9 +16,8 @@ What more than one of them needs lives here:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -68,24 +67,6 @@ def require_resnet(algo: Algorithm, *hooks: str) -> None:
         raise ConfigError(
             f"{algo.cfg.algo} needs a residual model with {', '.join(missing)}; the run's model "
             f"{algo.model_named} has not: pass --model resnet56 or resnet18, or resnet_digits for the digits data")
-
-
-@contextmanager
-def client_weights(model: nn.Module, stacked: Dict[str, torch.Tensor], k: int) -> Iterator[nn.Module]:
-    """``model`` holding client k's weights, row k of the batched path's (K, *shape) parameter views
-    (``ClientGroup.params``), for a pass the grouped kernels do not compute (FedAlign's slimmed last
-    block); gradients flow back to the views. Buffers stay the model's own."""
-    saved = []
-    try:
-        for mod_name, module in model.named_modules():
-            for pname, p in list(module._parameters.items()):
-                if p is not None:
-                    saved.append((module._parameters, pname, p))
-                    module._parameters[pname] = stacked[f"{mod_name}.{pname}" if mod_name else pname][k]
-        yield model
-    finally:
-        for slot, pname, p in saved:
-            slot[pname] = p
 
 
 # --------------------------------------------------------------------------- FedAlign's Lipschitz estimate
