@@ -940,7 +940,7 @@ class StackedModel:
         if skipped is not None:
             if columns is None:
                 columns = self.opt.columns[0] if self.opt.columns is not None else self._columns_of(self.trained)
-            columns = columns[None, :] & ~skipped.to(columns.device)
+            columns = columns[None, :] & ~host_to_device(skipped, columns.device)
         self.opt.step(self.theta, self.grad, active, columns)
 
     def _columns_of(self, entries) -> torch.Tensor:

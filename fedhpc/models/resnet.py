@@ -6,7 +6,7 @@ stage run at a fraction of its width, and any stage at a sampled width.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,8 @@ class _ResidualBlock(nn.Module):
     set, else from torch's default generator), at evaluation it is scaled by
     ``keep_prob``. The slimmed path ignores it. ``client_keep``: K clients' rows folded into one
     batch (``--clients-at-once``, :mod:`fedhpc.batched`) each keep or drop the branch by their own
-    draw, made before the forward: a (K,) 0/1 tensor (None: the single draw above).
+    draw, made before the forward: a (K,) 0/1 tensor on the batch's device, or True when every
+    client keeps it (None: the single draw above).
     """
 
     expansion = 1
@@ -85,7 +86,7 @@ class _ResidualBlock(nn.Module):
         self.norm = norm
         self.keep_prob = 1.0
         self.generator: Optional[torch.Generator] = None
-        self.client_keep: Optional[torch.Tensor] = None
+        self.client_keep: Union[torch.Tensor, bool, None] = None
         self.projection: Optional[nn.Sequential] = None
 
     def _make_projection(self, in_ch: int, out_ch: int, stride: int) -> None:
@@ -113,12 +114,12 @@ class _ResidualBlock(nn.Module):
     def forward(self, x: torch.Tensor, width: Optional[float] = None) -> torch.Tensor:
         if width is None and self.keep_prob < 1.0:
             if self.training:
+                if self.client_keep is True:
+                    return F.relu(self.residual(x) + self.shortcut(x))
                 if self.client_keep is not None:
                     keep = self.client_keep
-                    if bool(keep.all()):
-                        return F.relu(self.residual(x) + self.shortcut(x))
                     # 1 * r + s == r + s and 0 * r + s == s: each client's rows as its own draw gives them
-                    rows = keep.to(device=x.device, dtype=x.dtype).repeat_interleave(x.shape[0] // len(keep))
+                    rows = keep.to(dtype=x.dtype).repeat_interleave(x.shape[0] // len(keep))
                     return F.relu(rows.view((-1,) + (1,) * (x.dim() - 1)) * self.residual(x) + self.shortcut(x))
                 if float(torch.rand((), generator=self.generator)) >= self.keep_prob:
                     return F.relu(self.shortcut(x))

@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ...batched import weighted_task_loss
+from ...data.base import host_to_device
 from ...errors import ConfigError
 from .. import register_algorithm
 from .local_reg import LocalRegAlgorithm, LocalRegOptions, require_resnet
@@ -103,7 +104,7 @@ class StochDepth(LocalRegAlgorithm):
         # one-off check of its folded forward against vmap runs the model in training mode): no draw
         # from torch's generator, which the sequential path never makes.
         for block in self.model.blocks:
-            block.client_keep = torch.ones(len(group.ctxs))
+            block.client_keep = True
         try:
             return super().batched_local_update(group)
         finally:
@@ -125,16 +126,17 @@ class StochDepth(LocalRegAlgorithm):
         dropped = [(l, clients) for l, clients in dropped if clients]
         branches = self._branches()
         saved = {name: group.buffers[name].clone() for l, _ in dropped for name in branches[l][1]}
+        on_device = host_to_device(keep, x.device) if dropped else None  # one copy a step
         try:
             for l, block in enumerate(blocks):
-                block.client_keep = keep[l]
+                block.client_keep = on_device[l] if l in dict(dropped) else True
             logits = group.forward(x)
         finally:
             for block in blocks:
-                block.client_keep = torch.ones(len(group.ctxs))
+                block.client_keep = True
         for l, clients in dropped:
             params, buffers = branches[l]
-            mask = (keep[l] == 0).to(x.device)
+            mask = on_device[l] == 0
             for name in buffers:  # the forward updated every client's statistics: a dropped block's stay
                 rows = group.buffers[name]
                 rows.copy_(torch.where(mask.view((-1,) + (1,) * (rows.dim() - 1)), saved[name], rows))

@@ -46,6 +46,7 @@ from ...exchanges.ownership import canonical_order, owner_rank
 from ...exchanges.traffic_audit import auditing, record_sent
 from .. import register_algorithm
 from ...batched import proximal_terms
+from ...data.base import host_to_device
 from ..base import Algorithm, derive_seed
 from ..fedprox import add_proximal_term
 from .localmix import draw_lambda
@@ -192,32 +193,36 @@ class GlobalMix(Algorithm):
         the plain cross-entropy ``loss`` takes then, within float rounding."""
         k, b = x.shape[0], x.shape[1]
         rows = b if self.options.select == "sample" else 1
-        device = self.pool["x"].device
-        pick = torch.zeros(k, rows, dtype=torch.long, device=device)
+        # the pool rows every client mixes with, drawn on the host and sent in one copy a step (a copy
+        # per client would each wait on the GPU's queue)
+        pick = torch.zeros(k, rows, dtype=torch.long)
         lam = torch.zeros(k, dtype=torch.float64)
         alone = torch.zeros(k, dtype=torch.bool)  # no partner drawn: mixes with its own rows
         for i, ctx in enumerate(group.ctxs):
             if not group.active[i]:
                 alone[i] = True
                 continue
-            partners = ctx.extra["partners"]
+            if "partners_host" not in ctx.extra:  # once a round: its partners' pool rows, on the host
+                ctx.extra["partners_host"] = ctx.extra["partners"].cpu()
+            partners = ctx.extra["partners_host"]
             lam[i] = draw_lambda(ctx, self.options)
             if len(partners) == 0:
                 alone[i] = True
                 continue
             n = group.real[i] if rows > 1 else 1
-            drawn = partners[torch.randint(len(partners), (n,), generator=ctx.extra["select_gen"]).to(device)]
+            drawn = partners[torch.randint(len(partners), (n,), generator=ctx.extra["select_gen"])]
             pick[i, :n] = drawn
             pick[i, n:] = drawn[0]
-        flat = pick.reshape(-1)
+        flat = host_to_device(pick.reshape(-1), self.pool["x"].device)
         xj = self.data.transform(self.pool["x"][flat], False, None).to(x.dtype).reshape((k, rows) + x.shape[2:])
         yin = self.space.labels(y, x.dtype)
         yj = self.space.labels(self.pool["y"][flat], x.dtype).reshape(k, rows, -1)
         if bool(alone.any()):
-            mask = alone.to(x.device)
+            mask = host_to_device(alone, x.device)
             xj = torch.where(mask.view((k,) + (1,) * (x.dim() - 1)), x, xj.expand_as(x))
             yj = torch.where(mask.view(k, 1, 1), yin, yj.expand_as(yin))
-        lam = self.options.lam if self.options.mix_alpha <= 0 else lam.to(x.device)  # a float as loss uses it
+        # a fixed lambda stays a float, as loss uses it
+        lam = self.options.lam if self.options.mix_alpha <= 0 else host_to_device(lam, x.device)
         loss = batched_mixup_loss(group.forward, x, yin, xj, yj, lam, weight)
         if self.options.prox_mu == 0:
             return loss

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...batched import ClientGroup, epoch_batches
+from ...data.base import host_to_device
 from ...errors import ConfigError
 from .. import register_algorithm
 from .base import PersonalAlgorithm, PersonalOptions
@@ -149,9 +150,10 @@ class PerFedAvg(PersonalAlgorithm):
             weight 0 (its step is masked out too)."""
             index = [(m * k + j) % b if on else 0 for on, b in zip(active, batches)]
             rows = [eb.real[i][b] if active[i] else 0 for i, b in enumerate(index)]
-            at = torch.tensor(index, device=device)
+            at = host_to_device(torch.tensor(index), device)  # host lists go over without a wait on the GPU
             x, y = eb.x[clients, at], eb.y[clients, at]
-            weight = eb.weight[clients, at] * torch.tensor(active, dtype=eb.weight.dtype, device=device)[:, None]
+            taking = host_to_device(torch.tensor(active, dtype=eb.weight.dtype), device)
+            weight = eb.weight[clients, at] * taking[:, None]
 
             def forward_rows(inputs, real=None):  # this batch's real rows unless a call names its own
                 return forward(inputs, real=rows if real is None else real)
@@ -192,8 +194,8 @@ class PerFedAvg(PersonalAlgorithm):
                         weights.copy_(w)
                         gm = stacked.grad[:, :p]
                         stacked.grad[:, :p] = g - o.alpha * (gp - gm) / (2 * o.delta)
-                stacked.apply(columns, None if all(active) else torch.tensor(active, device=device))
-                counts = torch.tensor(real, dtype=torch.float64, device=device)
+                stacked.apply(columns, None if all(active) else host_to_device(torch.tensor(active), device))
+                counts = host_to_device(torch.tensor(real, dtype=torch.float64), device)
                 loss_sums.add_(loss.detach().double() * counts)
                 for ctx, rows in zip(ctxs, real):
                     ctx.samples += rows
