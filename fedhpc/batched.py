@@ -396,7 +396,7 @@ class StepRows:
     def rows(self, device) -> torch.Tensor:
         """``real`` as a (K,) tensor on ``device`` (made once per step)."""
         if self._rows is None or self._rows.device != device:
-            self._rows = torch.tensor(self.real, dtype=torch.long).to(device)
+            self._rows = host_to_device(torch.tensor(self.real, dtype=torch.long), device)
         return self._rows
 
 
@@ -832,10 +832,10 @@ def epoch_batches(ctxs: List[ClientContext], epoch: int, batch_size: int) -> Opt
         index = host_to_device(index, xs.device)  # one copy for the group
         x = torch.cat([xs, xs.new_zeros((1,) + tuple(xs.shape[1:]))])[index]
         y = torch.cat([ys, ys.new_zeros(1)])[index].to(torch.long)
-    weight = torch.tensor(weights, dtype=x.dtype if x.is_floating_point() else torch.float32,
-                          device=x.device).view(k, steps, batch_size)
+    weight = host_to_device(torch.tensor(weights, dtype=x.dtype if x.is_floating_point() else torch.float32),
+                            x.device).view(k, steps, batch_size)
     shape = (k, steps, batch_size)
-    counts = torch.tensor(real, dtype=torch.float64, device=x.device)
+    counts = host_to_device(torch.tensor(real, dtype=torch.float64), x.device)
     return EpochBatches(x.view(shape + tuple(x.shape[2:])), y.view(shape), weight, real, steps, counts)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ...batched import weighted_task_loss
+from ...data.base import host_to_device
 from ...errors import ConfigError
 from .. import register_algorithm
 from ..base import derive_seed, task_loss
@@ -62,7 +63,7 @@ class Mixup(LocalRegAlgorithm):
             ctx.extra["beta_rng"] = np.random.default_rng(derive_seed(ctx.cfg.seed, "mixup_beta", ctx.round.index, ctx.cid))
             ctx.extra["perm_gen"] = ctx.generator("mixup_perm")
         beta = float(ctx.extra["beta_rng"].beta(gamma, gamma))
-        perm = torch.randperm(x.shape[0], generator=ctx.extra["perm_gen"]).to(x.device)
+        perm = host_to_device(torch.randperm(x.shape[0], generator=ctx.extra["perm_gen"]), x.device)
         xin = self.space.lift(model, x)
         yin = self.space.labels(y, xin.dtype if xin.is_floating_point() else torch.float32)
         # mixup_loss mixes (1 - l) x1 + l x2: l = 1 - beta puts beta on the batch itself
@@ -76,7 +77,7 @@ class Mixup(LocalRegAlgorithm):
         if gamma <= 0:
             return weighted_task_loss(group.forward(x), y, weight)
         k, b = x.shape[0], x.shape[1]
-        perm = torch.arange(b, device=x.device).repeat(k, 1)
+        perm = torch.arange(b).repeat(k, 1)  # made on the host, sent in one copy
         lam = torch.zeros(k, dtype=torch.float64)
         for i, ctx in enumerate(group.ctxs):
             if not group.active[i]:
@@ -87,8 +88,9 @@ class Mixup(LocalRegAlgorithm):
                 ctx.extra["perm_gen"] = ctx.generator("mixup_perm")
             lam[i] = 1.0 - float(ctx.extra["beta_rng"].beta(gamma, gamma))
             n = group.real[i]
-            perm[i, :n] = torch.randperm(n, generator=ctx.extra["perm_gen"]).to(x.device)
+            perm[i, :n] = torch.randperm(n, generator=ctx.extra["perm_gen"])
+        perm = host_to_device(perm, x.device)
         yin = self.space.labels(y, x.dtype)
         x2 = torch.gather(x, 1, perm.view((k, b) + (1,) * (x.dim() - 2)).expand_as(x))
         y2 = torch.gather(yin, 1, perm.unsqueeze(-1).expand_as(yin))
-        return batched_mixup_loss(group.forward, x, yin, x2, y2, lam.to(x.device), weight)
+        return batched_mixup_loss(group.forward, x, yin, x2, y2, host_to_device(lam, x.device), weight)

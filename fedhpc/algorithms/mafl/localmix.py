@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ...batched import proximal_terms
+from ...data.base import host_to_device
 from ...errors import ConfigError
 from .. import register_algorithm
 from ..base import Algorithm, derive_seed
@@ -70,7 +71,7 @@ class LocalMix(Algorithm):
 
     def loss(self, model, x, y, ctx):
         gen = ctx.extra.setdefault("perm_gen", ctx.generator("local_mix"))
-        perm = torch.randperm(x.shape[0], generator=gen).to(x.device)
+        perm = host_to_device(torch.randperm(x.shape[0], generator=gen), x.device)
         lam = draw_lambda(ctx, self.options)
         xin = self.space.lift(model, x)
         yin = self.space.labels(y, xin.dtype if xin.is_floating_point() else torch.float32)
@@ -82,19 +83,20 @@ class LocalMix(Algorithm):
         its real rows and its lambda from its own streams, in the order ``loss`` draws them;
         padded rows map to themselves (weight 0, so they contribute nothing)."""
         k, b = x.shape[0], x.shape[1]
-        perm = torch.arange(b, device=x.device).repeat(k, 1)
+        perm = torch.arange(b).repeat(k, 1)  # made on the host, sent in one copy
         lam = torch.zeros(k, dtype=torch.float64)
         for i, ctx in enumerate(group.ctxs):
             if not group.active[i]:
                 continue
             gen = ctx.extra.setdefault("perm_gen", ctx.generator("local_mix"))
             n = group.real[i]
-            perm[i, :n] = torch.randperm(n, generator=gen).to(x.device)
+            perm[i, :n] = torch.randperm(n, generator=gen)
             lam[i] = draw_lambda(ctx, self.options)
+        perm = host_to_device(perm, x.device)
         yin = self.space.labels(y, x.dtype)
         x2 = torch.gather(x, 1, perm.view((k, b) + (1,) * (x.dim() - 2)).expand_as(x))
         y2 = torch.gather(yin, 1, perm.unsqueeze(-1).expand_as(yin))
-        lam = lam.to(x.device)
+        lam = host_to_device(lam, x.device)
         if self.options.mix_alpha <= 0:
             lam = self.options.lam  # a float, exactly as loss uses it
         loss = batched_mixup_loss(group.forward, x, yin, x2, y2, lam, weight)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...batched import proximal_terms, weighted_task_loss
+from ...data.base import host_to_device
 from ...errors import ConfigError
 from ...exchanges.mean_data import MeanDataExchange, MeanDataOptions
 from .. import register_algorithm
@@ -152,7 +153,7 @@ class NaiveMix(Algorithm):
             loss = self.batched_mix_loss(group.forward, x, yin, xbar, ybar, self.options.lam, weight)
             if any(a and not h for a, h in zip(group.active, has)):
                 # a client with nothing external to mix with trains on CE, as in loss
-                has_t = torch.tensor(has, device=x.device)
+                has_t = host_to_device(torch.tensor(has), x.device)
                 loss = torch.where(has_t, loss, weighted_task_loss(group.forward(x), y, weight))
         if self.options.prox_mu == 0:
             return loss
