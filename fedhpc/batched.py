@@ -137,8 +137,8 @@ class ClientGroup:
     takes this step (False: all its rows are padding; the hook must not draw from its random
     streams then). ``real[k]`` is how many of the B rows of client k are real samples.
     ``buffers``: name -> (K, *shape) views of the clients' running statistics (BatchNorm), which a
-    training forward updates. ``skip(clients, names)``: those clients' parameters ``names`` took no
-    part in this step's loss (a residual block they dropped), so they take no step (see :meth:`skip`).
+    training forward updates. ``skip(clients, columns)``: those clients' parameters at ``columns`` took
+    no part in this step's loss (a residual block they dropped), so they take no step (see :meth:`skip`).
     ``rng``: each client's generator state (its dropout stream; None when the model draws nothing),
     for a pass a hook runs for one client on its own (:func:`client_stream`).
     """
@@ -154,19 +154,17 @@ class ClientGroup:
     skipped: Optional[torch.Tensor] = None
     rng: Optional[List[torch.Tensor]] = None
 
-    def skip(self, clients: List[int], names: List[str]) -> None:
-        """The parameters ``names`` of the clients at positions ``clients`` took no part in this
-        step's loss: their sequential steps would see these gradients None, which torch's optimisers
-        skip (no step, no momentum, no weight decay, no Adam moments or step count); the stacked step
-        keeps them so for those clients alone (their gradient rows, zero, add nothing to a clipped
-        gradient's norm, as a None gradient does)."""
+    def skip(self, clients: List[int], columns: torch.Tensor) -> None:
+        """The parameters at ``columns`` ((num_params,) bool on the states' device, e.g.
+        ``flat.mask(names)[:flat.num_params]``) of the clients at positions ``clients`` took no part in
+        this step's loss: their sequential steps would see these gradients None, which torch's
+        optimisers skip (no step, no momentum, no weight decay, no Adam moments or step count); the
+        stacked step keeps them so for those clients alone (their gradient rows, zero, add nothing to
+        a clipped gradient's norm, as a None gradient does)."""
         if self.skipped is None:
-            self.skipped = torch.zeros(len(self.ctxs), self.flat.num_params, dtype=torch.bool)
-        entries = {e.name: e for e in self.flat.entries if e.is_param}
-        rows = torch.tensor(clients, dtype=torch.long)
-        for name in names:
-            e = entries[name]
-            self.skipped[rows, e.offset:e.offset + e.numel] = True
+            self.skipped = torch.zeros(len(self.ctxs), self.flat.num_params, dtype=torch.bool, device=columns.device)
+        for k in clients:
+            self.skipped[k] |= columns
 
 
 @contextmanager
@@ -233,6 +231,12 @@ def proximal_terms(group: ClientGroup, algo: "Algorithm", mu: float) -> torch.Te
         anchors = list(stacked_params(group.flat, torch.stack(states), trainable=set()).values())
     sq = [(p - a).pow(2).flatten(1).sum(1) for p, a in zip(group.params.values(), anchors)]
     return 0.5 * mu * torch.stack(sq, 1).sum(1)
+
+
+def add_proximal_terms(losses: torch.Tensor, group: ClientGroup, algo: "Algorithm", mu: float) -> torch.Tensor:
+    """``losses`` (K,) plus :func:`proximal_terms`; ``losses`` when mu is 0 (the batched twin of
+    :func:`fedhpc.algorithms.fedprox.add_proximal_term`: "+ FedProx" options of the mixing methods)."""
+    return losses if mu == 0 else losses + proximal_terms(group, algo, mu)
 
 
 # --------------------------------------------------------------------------- who may be batched
@@ -938,9 +942,9 @@ class StackedModel:
         """The optimiser's step on ``self.grad`` (what :meth:`gradient` wrote, or a method's own
         combination of gradients: Per-FedAvg's meta-gradient); arguments as :meth:`step`'s."""
         if skipped is not None:
-            if columns is None:
-                columns = self.opt.columns[0] if self.opt.columns is not None else self._columns_of(self.trained)
-            columns = columns[None, :] & ~host_to_device(skipped, columns.device)
+            if columns is None and self.opt.columns is not None:
+                columns = self.opt.columns[0]
+            columns = ~skipped if columns is None else columns[None, :] & ~skipped
         self.opt.step(self.theta, self.grad, active, columns)
 
     def _columns_of(self, entries) -> torch.Tensor:

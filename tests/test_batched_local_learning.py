@@ -140,19 +140,23 @@ def test_stochdepth_groups_drop_blocks_client_by_client(monkeypatch):
     skipped for them) and the others keep it, so that a drop applied to the whole group would show."""
     from fedhpc.batched import ClientGroup
 
-    skips = []  # (step's group, client, the branch's parameter names)
+    skips = []  # (step's group, client, the branch's parameter columns)
     original = ClientGroup.skip
 
-    def watch(self, clients, names):
-        skips.extend((self, k, tuple(names)) for k in clients)  # the group kept alive: its id names its step
-        return original(self, clients, names)
+    def watch(self, clients, columns):
+        skips.extend((self, k, columns) for k in clients)  # the group kept alive: its id names its step
+        return original(self, clients, columns)
     monkeypatch.setattr(ClientGroup, "skip", watch)
-    batched_clients(make_engine("stochdepth", STOCHDEPTH_OPTIONS, **STOCHDEPTH), 0, 4)
+    eng = make_engine("stochdepth", STOCHDEPTH_OPTIONS, **STOCHDEPTH)
+    batched_clients(eng, 0, 4)
     by_step = {}
-    for step, k, names in skips:
-        by_step.setdefault((id(step), names), set()).add(k)
+    for step, k, columns in skips:  # a block's columns are one cached tensor: its id names the block
+        by_step.setdefault((id(step), id(columns)), set()).add(k)
     assert any(0 < len(clients) < 4 for clients in by_step.values())
-    assert all(names and all(".projection." not in n for n in names) for _, _, names in skips)
+    projections = [n for n, _ in eng.model.named_modules() if n.endswith(".projection")]
+    shortcut = eng.flat.mask(projections)[:eng.flat.num_params]
+    assert projections and shortcut.any()
+    assert all(bool(columns.any()) and not bool((columns & shortcut).any()) for _, _, columns in skips)
 
 
 def test_stochdepth_rounds_through_the_engine_equal_sequential():

@@ -98,6 +98,11 @@ class _ResidualBlock(nn.Module):
     def residual(self, x: torch.Tensor, width: Optional[float] = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def draws_keep(self, generator: Optional[torch.Generator]) -> bool:
+        """One stochastic-depth draw: whether the branch is kept (Bernoulli(keep_prob) from
+        ``generator``; the batched path draws each client's with this too)."""
+        return float(torch.rand((), generator=generator)) < self.keep_prob
+
     def residual_branch(self) -> List[str]:
         """The submodules ``residual`` runs (all but the projection shortcut): what a dropped block
         leaves untouched."""
@@ -121,7 +126,7 @@ class _ResidualBlock(nn.Module):
                     # 1 * r + s == r + s and 0 * r + s == s: each client's rows as its own draw gives them
                     rows = keep.to(dtype=x.dtype).repeat_interleave(x.shape[0] // len(keep))
                     return F.relu(rows.view((-1,) + (1,) * (x.dim() - 1)) * self.residual(x) + self.shortcut(x))
-                if float(torch.rand((), generator=self.generator)) >= self.keep_prob:
+                if not self.draws_keep(self.generator):
                     return F.relu(self.shortcut(x))
                 return F.relu(self.residual(x) + self.shortcut(x))
             return F.relu(self.keep_prob * self.residual(x) + self.shortcut(x))

@@ -86,12 +86,16 @@ class GradAug(LocalRegAlgorithm):
         model.forward_width(resize(x, min(self.scales)), self.options.min_width)
 
     def loss(self, model, x, y, ctx):
+        logits = model(x)
+        return self.add_subnet_terms(task_loss(logits, y), model, x, logits, ctx)
+
+    def add_subnet_terms(self, loss, model, x, logits, ctx):
+        """``loss`` + mu * sum_i KL(F(x) || F_{w_i}(T_i x)) (Eq. 2) over the n sub-networks the client's
+        stream draws for this batch: widths, then scales (the stream rule above)."""
         o = self.options
         gen = ctx.extra.setdefault("gradaug_gen", ctx.generator("gradaug"))
         widths = draw_widths(gen, o.num_subnets, o.min_width, o.sandwich)
         scales = draw_scales(gen, o.num_subnets, self.scales)
-        logits = model(x)
-        loss = task_loss(logits, y)
         teacher = F.softmax(logits.detach(), dim=-1)
         for w, s in zip(widths, scales):
             student = F.log_softmax(model.forward_width(resize(x, s), w), dim=-1)
@@ -102,7 +106,6 @@ class GradAug(LocalRegAlgorithm):
         """``loss`` for K clients (fedhpc.batched): the full forward grouped; each active client draws
         its widths and scales from its own stream and runs its sub-networks on its real rows under its
         own weights (a client masked out of the step draws and runs nothing: its loss is 0)."""
-        o = self.options
         logits = group.forward(x)
         ce = weighted_task_loss(logits, y, weight)
         losses = []
@@ -110,14 +113,6 @@ class GradAug(LocalRegAlgorithm):
             if n == 0:
                 losses.append(ce[i])
                 continue
-            gen = ctx.extra.setdefault("gradaug_gen", ctx.generator("gradaug"))
-            widths = draw_widths(gen, o.num_subnets, o.min_width, o.sandwich)
-            scales = draw_scales(gen, o.num_subnets, self.scales)
-            loss = ce[i]
-            teacher = F.softmax(logits[i, :n].detach(), dim=-1)
             with client_weights(self.model, group.params, i) as model, client_stream(group, i, x.device):
-                for w, s in zip(widths, scales):
-                    student = F.log_softmax(model.forward_width(resize(x[i, :n], s), w), dim=-1)
-                    loss = loss + o.mu * F.kl_div(student, teacher, reduction="batchmean")
-            losses.append(loss)
+                losses.append(self.add_subnet_terms(ce[i], model, x[i, :n], logits[i, :n], ctx))
         return torch.stack(losses)

@@ -59,7 +59,7 @@ class StochDepth(LocalRegAlgorithm):
     def setup(self):
         super().setup()
         require_resnet(self, "set_stochastic_depth", "set_depth_generator")
-        self._branch_names: Optional[List[Tuple[List[str], List[str]]]] = None  # made on first use
+        self._branch_parts: Optional[List[Tuple[torch.Tensor, List[str]]]] = None  # made on first use
 
     # The keep probabilities go onto the shared model when training starts (every round,
     # and on resume, which may evaluate without a round), not at construction: until then
@@ -82,22 +82,19 @@ class StochDepth(LocalRegAlgorithm):
             model.set_depth_generator(None)
 
     # ---------------------------------------------------------------- K clients at once
-    def _branches(self) -> List[Tuple[List[str], List[str]]]:
-        """Per residual block: the names (in the model's state) of its branch's parameters and float
-        buffers, what a client that drops the block leaves alone."""
-        if self._branch_names is None:
+    def _branches(self) -> List[Tuple[torch.Tensor, List[str]]]:
+        """Per residual block, what a client that drops it leaves alone: its branch's parameter
+        columns ((num_params,) bool) and the names of its branch's float buffers."""
+        if self._branch_parts is None:
             names = {id(m): n for n, m in self.model.named_modules()}
-            branches = []
+            parts = []
             for block in self.model.blocks:
-                params, buffers = [], []
-                for child in block.residual_branch():
-                    prefix = f"{names[id(block)]}.{child}."
-                    module = getattr(block, child)
-                    params += [prefix + n for n, _ in module.named_parameters()]
-                    buffers += [prefix + n for n, b in module.named_buffers() if b.is_floating_point()]
-                branches.append((params, buffers))
-            self._branch_names = branches
-        return self._branch_names
+                modules = [f"{names[id(block)]}.{child}" for child in block.residual_branch()]
+                buffers = [f"{m}.{n}" for m in modules for n, b in self.model.get_submodule(m).named_buffers()
+                           if b.is_floating_point()]
+                parts.append((self.flat.mask(modules)[:self.flat.num_params], buffers))
+            self._branch_parts = parts
+        return self._branch_parts
 
     def batched_local_update(self, group):
         # Every block keeps its branch for all clients outside the steps' forwards (the batched path's
@@ -121,24 +118,27 @@ class StochDepth(LocalRegAlgorithm):
             gen = ctx.extra.setdefault("depth_gen", ctx.generator("stochdepth"))
             for l, block in enumerate(blocks):
                 if block.keep_prob < 1.0:  # the sequential forward's draw, block after block
-                    keep[l, i] = float(float(torch.rand((), generator=gen)) < block.keep_prob)
-        dropped = [(l, (keep[l] == 0).nonzero().flatten().tolist()) for l in range(len(blocks))]
-        dropped = [(l, clients) for l, clients in dropped if clients]
+                    keep[l, i] = float(block.draws_keep(gen))
+        dropped = {}  # block -> the clients that drop it this step
+        for l in range(len(blocks)):
+            clients = (keep[l] == 0).nonzero().flatten().tolist()
+            if clients:
+                dropped[l] = clients
         branches = self._branches()
-        saved = {name: group.buffers[name].clone() for l, _ in dropped for name in branches[l][1]}
+        saved = {name: group.buffers[name].clone() for l in dropped for name in branches[l][1]}
         on_device = host_to_device(keep, x.device) if dropped else None  # one copy a step
         try:
             for l, block in enumerate(blocks):
-                block.client_keep = on_device[l] if l in dict(dropped) else True
+                block.client_keep = on_device[l] if l in dropped else True
             logits = group.forward(x)
         finally:
             for block in blocks:
                 block.client_keep = True
-        for l, clients in dropped:
-            params, buffers = branches[l]
+        for l, clients in dropped.items():
+            columns, buffers = branches[l]
             mask = on_device[l] == 0
             for name in buffers:  # the forward updated every client's statistics: a dropped block's stay
                 rows = group.buffers[name]
                 rows.copy_(torch.where(mask.view((-1,) + (1,) * (rows.dim() - 1)), saved[name], rows))
-            group.skip(clients, params)
+            group.skip(clients, columns)
         return weighted_task_loss(logits, y, weight)

@@ -40,13 +40,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...batched import add_proximal_terms
+from ...data.base import host_to_device
 from ...errors import ConfigError
 from ...exchanges.mean_data import KeptCopies
 from ...exchanges.ownership import canonical_order, owner_rank
 from ...exchanges.traffic_audit import auditing, record_sent
 from .. import register_algorithm
-from ...batched import proximal_terms
-from ...data.base import host_to_device
 from ..base import Algorithm, derive_seed
 from ..fedprox import add_proximal_term
 from .localmix import draw_lambda
@@ -224,6 +224,4 @@ class GlobalMix(Algorithm):
         # a fixed lambda stays a float, as loss uses it
         lam = self.options.lam if self.options.mix_alpha <= 0 else host_to_device(lam, x.device)
         loss = batched_mixup_loss(group.forward, x, yin, xj, yj, lam, weight)
-        if self.options.prox_mu == 0:
-            return loss
-        return loss + proximal_terms(group, self, self.options.prox_mu)  # per-client anchors
+        return add_proximal_terms(loss, group, self, self.options.prox_mu)  # per-client anchors

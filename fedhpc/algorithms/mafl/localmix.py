@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...batched import proximal_terms
+from ...batched import add_proximal_terms
 from ...data.base import host_to_device
 from ...errors import ConfigError
 from .. import register_algorithm
@@ -100,6 +100,4 @@ class LocalMix(Algorithm):
         if self.options.mix_alpha <= 0:
             lam = self.options.lam  # a float, exactly as loss uses it
         loss = batched_mixup_loss(group.forward, x, yin, x2, y2, lam, weight)
-        if self.options.prox_mu == 0:
-            return loss
-        return loss + proximal_terms(group, self, self.options.prox_mu)  # per-client anchors
+        return add_proximal_terms(loss, group, self, self.options.prox_mu)  # per-client anchors

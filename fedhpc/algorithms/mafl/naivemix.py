@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...batched import proximal_terms, weighted_task_loss
+from ...batched import add_proximal_terms, weighted_task_loss
 from ...data.base import host_to_device
 from ...errors import ConfigError
 from ...exchanges.mean_data import MeanDataExchange, MeanDataOptions
@@ -155,6 +155,4 @@ class NaiveMix(Algorithm):
                 # a client with nothing external to mix with trains on CE, as in loss
                 has_t = host_to_device(torch.tensor(has), x.device)
                 loss = torch.where(has_t, loss, weighted_task_loss(group.forward(x), y, weight))
-        if self.options.prox_mu == 0:
-            return loss
-        return loss + proximal_terms(group, self, self.options.prox_mu)  # per-client anchors
+        return add_proximal_terms(loss, group, self, self.options.prox_mu)  # per-client anchors
