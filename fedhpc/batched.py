@@ -186,23 +186,31 @@ def client_weights(model: nn.Module, stacked: Dict[str, torch.Tensor], k: int) -
 
 
 @contextmanager
-def client_stream(group: ClientGroup, k: int, device: torch.device) -> Iterator[None]:
-    """torch's generator of ``device`` at client ``k``'s state (``group.rng[k]``), for a pass of client
-    k's own (a sub-network under :func:`client_weights`): its
-    dropout masks continue client k's stream as its sequential step's next forward does; the advanced
-    state goes back to ``group.rng[k]`` and torch's generator to where it was. Nothing to swap when the
-    model draws nothing (``group.rng`` None)."""
-    if group.rng is None:
-        yield
-        return
+def _generator_at(states: List[torch.Tensor], k: int, device: torch.device) -> Iterator[None]:
+    """torch's generator of ``device`` at ``states[k]`` (client k's stream) for the block; the advanced
+    state goes back to ``states[k]`` and the generator to where it was, so the next client's draws,
+    and whatever draws after the group, continue their own streams."""
     gen = device_generator(device)
     saved = gen.get_state()
-    gen.set_state(group.rng[k])
+    gen.set_state(states[k])
     try:
         yield
     finally:
-        group.rng[k] = gen.get_state()
+        states[k] = gen.get_state()
         gen.set_state(saved)
+
+
+@contextmanager
+def client_stream(group: ClientGroup, k: int, device: torch.device) -> Iterator[None]:
+    """torch's generator of ``device`` at client ``k``'s state (``group.rng[k]``), for a pass of client
+    k's own (a sub-network under :func:`client_weights`): its dropout masks continue client k's stream
+    as its sequential step's next forward does. Nothing to swap when the model draws nothing
+    (``group.rng`` None)."""
+    if group.rng is None:
+        yield
+        return
+    with _generator_at(group.rng, k, device):
+        yield
 
 
 def weighted_task_loss(logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -435,18 +443,12 @@ def _client_dropout(func, args, kwargs, k: int, step: "StepRows"):
                            "generators (fedhpc.batched.StepRows)")
     b = x.shape[0] // k
     mask = torch.zeros((k, b) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    gen = device_generator(x.device)
-    saved = gen.get_state()
-    try:
-        for i, n in enumerate(step.real):
-            if n == 0:
-                continue  # a client masked out of the step draws nothing, as it takes no step
-            gen.set_state(step.rng[i])
+    for i, n in enumerate(step.real):
+        if n == 0:
+            continue  # a client masked out of the step draws nothing, as it takes no step
+        with _generator_at(step.rng, i, x.device):
             ones = torch.ones((n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
             mask[i, :n] = func(ones, *rest, **{key: v for key, v in kwargs.items() if key != "input"})
-            step.rng[i] = gen.get_state()
-    finally:
-        gen.set_state(saved)
     return x * mask.view_as(x)
 
 

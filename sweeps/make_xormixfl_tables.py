@@ -1,5 +1,6 @@
-"""Writes sweeps/xormixfl_table2_mnist5k.yaml, sweeps/xormixfl_table3_mnist5k.yaml and its
-saturating-sum twin sweeps/xormixfl_table3_mnist5k_saturating_sum.yaml from the XorMixFL paper's Tables 2 and 3 (its numbers: benchmarks/compare_xormixfl.py, PAPER_T2 / PAPER_T3).
+"""Writes the XorMixFL paper's Tables 2 and 3 as sweeps (its numbers: benchmarks/compare_xormixfl.py,
+PAPER_T2 / PAPER_T3): sweeps/xormixfl_table2_mnist5k.yaml, sweeps/xormixfl_table3_mnist5k.yaml and
+the latter's saturating-sum twin sweeps/xormixfl_table3_mnist5k_saturating_sum.yaml.
 
 Each sweep is one zip group because the paper's number belongs to a (method, column) cell, so
 every cell is a point with its own ``reference.value``.

@@ -569,6 +569,46 @@ def test_refused_with_a_config_error(algo):
     assert refusal and "not declared batchable: one-shot" in refusal and "--clients-at-once 1" in refusal
 
 
+def test_every_batchable_method_has_an_equality_test():
+    """A method that opts in to the batched path carries a test of its clients against the sequential
+    path (the issue's equality test): a test of tests/test_batched*.py whose name says it equals the
+    sequential path ("equal(s)_sequential") and whose name or parameters name the method. A new
+    method that declares ``batchable`` without one fails here, naming where to add it."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fedhpc.batched import method_refusal
+
+    load_algorithm_modules()
+    batchable = {name for name in ALGORITHMS.names() if method_refusal(ALGORITHMS.get(name), name) is None}
+    assert {"fedavg", "fedmix", "mix2fld"} <= batchable  # the check needs the registry it guards
+    here = Path(__file__).parent
+    listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              *sorted(str(f) for f in here.glob("test_batched*.py"))],
+                             capture_output=True, text=True, cwd=here.parent, timeout=300)
+    assert listing.returncode == 0, listing.stdout[-2000:] + listing.stderr[-2000:]
+    equality_ids = [line.split("::", 1)[1] for line in listing.stdout.splitlines()
+                    if "::" in line and re.search(r"equals?_sequential", line)]
+    assert len(equality_ids) > 20, listing.stdout[-2000:]
+
+    def names(node_id: str) -> set:
+        # longest names first, each taken out once found, so "lg_fedavg" is not also "fedavg"
+        found, rest = set(), node_id
+        for name in sorted(ALGORITHMS.names(), key=len, reverse=True):
+            pattern = rf"(?<![a-z0-9]){re.escape(name)}(?![a-z0-9])"
+            if re.search(pattern, rest):
+                found.add(name)
+                rest = re.sub(pattern, " ", rest)
+        return found
+
+    covered = set().union(*map(names, equality_ids))
+    missing = sorted(batchable - covered)
+    assert not missing, (f"batchable methods without a batched equality test: {missing}; add one to "
+                         "tests/test_batched*.py (e.g. to MORE in test_batched_more.py)")
+
+
 def test_the_advice_names_a_model_option_only_where_the_model_has_it():
     """A BatchNorm the grouped kernels cannot take (here: beside a LayerNorm): norm=none removes it
     from resnet_digits, but mobilenet has no such option, and advising it there would be refused next
