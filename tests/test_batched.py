@@ -499,7 +499,7 @@ def test_epoch_batches_are_each_clients_own_batches(augments, monkeypatch):
 def test_a_groups_rows_are_joined_without_a_copy_when_they_lie_in_one_tensor():
     """epoch_batches' _joined: the views ClientData.all_training_on leaves (one tensor split by client,
     an empty client among them) are read in place; separate tensors are concatenated."""
-    from fedhpc.batched import _joined
+    from fedhpc.batched.epochs import _joined
 
     whole = torch.arange(24.0).view(12, 2)
     parts = list(whole.split([5, 0, 4, 3]))
@@ -768,9 +768,9 @@ def test_a_forward_that_mixes_samples_falls_back_to_vmap():
 
 def test_vmap_path_equals_sequential(monkeypatch):
     """The general path (models the grouped kernels do not cover) against the sequential one."""
-    import fedhpc.batched as batched
+    import fedhpc.batched.kernels as kernels
 
-    monkeypatch.setattr(batched, "GROUPED_MODULES", ())
+    monkeypatch.setattr(kernels, "GROUPED_MODULES", ())  # where grouped_forward reads it
     start = make_engine("fedmix", ALGO_OPTIONS["fedmix"]).global_state.clone()
     seq = sequential_clients(make_engine("fedmix", ALGO_OPTIONS["fedmix"]), 0)
     bat = batched_clients(make_engine("fedmix", ALGO_OPTIONS["fedmix"]), 0, 4)

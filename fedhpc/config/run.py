@@ -48,7 +48,7 @@ class RunConfig:
     nesterov: bool = field(default=False, metadata={"help": "Nesterov momentum for the local SGD (the FedAlign authors' code); needs --momentum > 0"})
     weight_decay: float = field(default=0.0, metadata={"help": "local weight decay"})
     grad_clip: float = field(default=0.0, metadata={"help": "clip local gradient norm to this (0 = off)"})
-    clients_at_once: int = field(default=1, metadata={"help": "train this many of a rank's clients at once as one batched model (fedhpc/batched.py: the methods starred in the list of algorithms below; SGD or Adam; dropout and BatchNorm in models whose layers with weights are Linear, Conv2d or BatchNorm); 1 = one after another"})
+    clients_at_once: int = field(default=1, metadata={"help": "train this many of a rank's clients at once as one batched model (fedhpc/batched/: the methods starred in the list of algorithms below; SGD or Adam; dropout and BatchNorm in models whose layers with weights are Linear, Conv2d or BatchNorm); 1 = one after another"})
     client_test_fraction: float = field(default=0.2, metadata={"help": "share of each client's data kept as its local test split"})
     seed: int = field(default=0, metadata={"help": "fixes client sampling, partitions, initialisation and batch order"})
     out: str = field(default="", metadata={"help": "output folder (metrics.jsonl, final_model.pt, checkpoints, TensorBoard)"})
