@@ -268,14 +268,7 @@ def test_a_subclass_of_a_phased_method_changing_a_phase_is_refused():
             check_batchable(eng.algo, eng.model, eng.cfg)
 
 
-#: a method drawing its own random numbers (Mixup), a personal one (pMixFed: client state on the rank
-#: that trains it), the main job's Mix2FLD (each device's Eq. 2 sums, then the server's conversion),
-#: GlobalMix (partners drawn from the pool every rank gathers), StochDepth (each client's own drops, on the
-#: residual network: its flags come last and override the CNN), Per-FedAvg (its meta-steps' own batches),
-#: GradAug (each client's sub-networks on its own, their dropout masks from its stream: 1 vs 2 ranks only,
-#: see RANKS_ONLY);
-#: FedProx's anchor and FedPer's personal layers are the same machinery, checked against sequential above
-#: methods compared here on 1 and 2 ranks only, not with the sequential run: GradAug's runs in this setting
+#: the methods compared on 1 and 2 ranks only, not with the sequential run: GradAug's runs in this setting
 #: reach rounding events (a ReLU or a resized pixel decided by its last bit) that the sequential path itself
 #: reaches when its start moves by a few ulps: on this machine one client of round 0 lands 5e-3 from its
 #: sequential twin, and perturbed sequential runs land 5e-3 and 4.7e-3 from it too (at --mu 0.5: 1.2e-7
@@ -284,38 +277,75 @@ def test_a_subclass_of_a_phased_method_changing_a_phase_is_refused():
 RANKS_ONLY = {"gradaug"}
 
 
-@pytest.mark.parametrize("algo", [["--algo", "mixup", "--gamma", "0.4"], ["--algo", "pmixfed"],
-                                  ["--algo", "mix2fld"], ["--algo", "globalmix", "--mix-alpha", "0.5"],
-                                  ["--algo", "stochdepth", "--final-keep-prob", "0.4", "--model", "resnet_digits"],
-                                  ["--algo", "per_fedavg"], ["--algo", "gradaug", "--model", "resnet_digits"]],
-                         ids=lambda a: a[1])
-def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path, algo):
-    """--clients-at-once 3 on 1 and 2 ranks, bit for bit (groups are cut before ranks are chosen;
-    each client's masks come from its own generator), and within rounding of the sequential run:
-    the digits CNN with BatchNorm and dropout, clients of unequal sizes, 2 epochs, 2 rounds (lr 0.01,
-    momentum 0.5: see test_personal_methods_over_rounds_equal_sequential)."""
-    import json
+#: a method drawing its own random numbers (Mixup), a personal one (pMixFed: client state on the rank
+#: that trains it), the main job's Mix2FLD (each device's Eq. 2 sums, then the server's conversion),
+#: GlobalMix (partners drawn from the pool every rank gathers), StochDepth (each client's own drops, on the
+#: residual network: its flags come last and override the CNN), Per-FedAvg (its meta-steps' own batches),
+#: GradAug (each client's sub-networks on its own, their dropout masks from its stream: 1 vs 2 ranks only,
+#: see RANKS_ONLY).
+#: FedProx's anchor and FedPer's personal layers are the same machinery, checked against sequential above.
+TWO_RANK_CASES = {"mixup": ["--algo", "mixup", "--gamma", "0.4"], "pmixfed": ["--algo", "pmixfed"],
+                  "mix2fld": ["--algo", "mix2fld"], "globalmix": ["--algo", "globalmix", "--mix-alpha", "0.5"],
+                  "stochdepth": ["--algo", "stochdepth", "--final-keep-prob", "0.4", "--model", "resnet_digits"],
+                  "per_fedavg": ["--algo", "per_fedavg"], "gradaug": ["--algo", "gradaug", "--model", "resnet_digits"]}
 
-    from conftest import launch
 
-    args = ["--model", "cnn", "--model-opt", "width=4", "--model-opt", "norm=batch",
+def _two_rank_argv(name, clients_at_once, out):
+    """The digits CNN with BatchNorm and dropout, clients of unequal sizes, 2 epochs, 2 rounds (lr 0.01,
+    momentum 0.5: see test_personal_methods_over_rounds_equal_sequential); the method's flags last (they
+    override the model)."""
+    return ["--model", "cnn", "--model-opt", "width=4", "--model-opt", "norm=batch",
             "--model-opt", "dropout=0.3", "--partition", "dirichlet:0.5", "--num-clients", "10",
             "--clients-per-round", "8", "--batch-size", "16", "--local-epochs", "2", "--lr", "0.01", "--momentum", "0.5",
-            "--weight-decay", "0.001", "--rounds", "2", "--seed", "3", "--threads", "1", "--quiet", "--no-tensorboard"] + algo
-    got = {}
-    for name, ranks, k in (("seq", 1, 1), ("r1", 1, 3), ("r2", 2, 3)):
-        out = str(tmp_path / name)
-        p = launch(args + ["--clients-at-once", str(k), "--out", out], ranks=ranks, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
+            "--weight-decay", "0.001", "--rounds", "2", "--seed", "3", "--threads", "1", "--quiet", "--no-tensorboard",
+            *TWO_RANK_CASES[name], "--clients-at-once", str(clients_at_once), "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_batched(tmp_path_factory):
+    """Every TWO_RANK_CASES run with --clients-at-once 3 on 2 MPI ranks, in one launch of
+    tests/standard_runner.py (a launch per case cost CI a minute)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env, mpiexec
+
+    d = tmp_path_factory.mktemp("two_ranks_batched")
+    (d / "cases.json").write_text(json.dumps({n: _two_rank_argv(n, 3, d / n) for n in TWO_RANK_CASES}))
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, os.path.join(REPO, "tests", "standard_runner.py"),
+                        str(d / "cases.json"), str(d)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return d
+
+
+@pytest.mark.parametrize("name", list(TWO_RANK_CASES))
+def test_two_ranks_batched_with_dropout_and_batchnorm_equal_one_rank(tmp_path, name, two_rank_batched):
+    """--clients-at-once 3 on 1 and 2 ranks, bit for bit (groups are cut before ranks are chosen;
+    each client's masks come from its own generator), and within rounding of the sequential run.
+    The 1-rank runs here in the test's process, through the same runner the 2-rank launch runs."""
+    import json
+
+    from standard_runner import run_case
+
+    from fedhpc.world import World
+
+    def result(out):
         with open(os.path.join(out, "metrics.jsonl")) as f:
             losses = [(r["train_loss"], r["test_loss"]) for r in map(json.loads, f)]
-        got[name] = (torch.load(os.path.join(out, "final_model.pt")), losses)
-    (one, one_losses), (two, two_losses), (seq, seq_losses) = got["r1"], got["r2"], got["seq"]
+        return torch.load(os.path.join(out, "final_model.pt")), losses
+
+    run_case(_two_rank_argv(name, 3, tmp_path / "r1"), World(threads=1))
+    (one, one_losses), (two, two_losses) = result(tmp_path / "r1"), result(two_rank_batched / name)
+    assert len(one_losses) == 2
     unequal = {n: float((one[n].double() - two[n].double()).abs().max()) for n in one if not torch.equal(one[n], two[n])}
     assert not unequal, unequal
     assert one_losses == two_losses
-    if algo[1] in RANKS_ONLY:
+    if name in RANKS_ONLY:
         return
+    run_case(_two_rank_argv(name, 1, tmp_path / "seq"), World(threads=1))
+    seq, seq_losses = result(tmp_path / "seq")
     diff = max(float((one[n].double() - seq[n].double()).abs().max()) for n in seq if seq[n].is_floating_point())
     assert diff <= 3 * TOL, diff
     assert all(abs(a[0] - b[0]) <= TOL for a, b in zip(one_losses, seq_losses))
