@@ -19,7 +19,12 @@ per round:
   (``use_deterministic_algorithms(True, warn_only=True)``), a host cost the profiler does not name.
 
 Then, for seq against plain, the operators and kernels seq runs more (or less) of a round, and the
-host functions with the largest self time in each mode. With ``--trace-dir`` every mode's Chrome
+host functions with the largest self time in each mode. Last, ``sync sites``: one more round of each
+mode in which every host wait is traced to the line that caused it (the innermost frame of fedhpc's or
+the benchmark's code): on CUDA each synchronising operation torch reports under
+``torch.cuda.set_sync_debug_mode("warn")`` (``item``, a blocking or pageable copy, ``nonzero``...); on
+the CPU, where nothing waits, each ``aten::_local_scalar_dense`` (an ``item``: a wait on a GPU), so that
+the report can be read (and checked) before a GPU is lent. With ``--trace-dir`` every mode's Chrome
 trace is written there (open in chrome://tracing or Perfetto). On ``--device cpu`` the counts of
 operators and host time are what it gives (no kernels): there, fedhpc's sequential round
 dispatches the plain loop's operators and a few per client.
@@ -110,6 +115,52 @@ def profile_mode(rounds_obj, mode: str, first: int, n: int, device: str, trace_d
     return res
 
 
+def _call_site(frames) -> str:
+    """The innermost frame of fedhpc's or the benchmarks' own code (this file's apart) in ``frames``."""
+    ours = [f for f in frames if ("/fedhpc/" in f.filename or "/benchmarks/" in f.filename)
+            and not f.filename.endswith("profile_round.py")]
+    if not ours:
+        return "(outside fedhpc and the benchmarks)"
+    f = ours[-1]
+    return f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}"
+
+
+def sync_sites(rounds_obj, mode: str, t: int, device: str) -> collections.Counter:
+    """Round ``t`` of ``mode`` with every host wait counted by the line that caused it (see the module's
+    docstring): on CUDA the synchronising operations ``set_sync_debug_mode("warn")`` reports, on the CPU
+    each ``_local_scalar_dense`` (an ``item``)."""
+    import traceback
+
+    sites = collections.Counter()
+    rounds_obj.sync()
+    if device == "cuda":
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                sites[_call_site(traceback.extract_stack()[:-1])] += 1
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show  # restored by catch_warnings
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                rounds_obj.run(mode, t)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    else:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Items(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket is torch.ops.aten._local_scalar_dense:
+                    sites[_call_site(traceback.extract_stack()[:-1])] += 1
+                return func(*args, **(kwargs or {}))
+
+        with Items():
+            rounds_obj.run(mode, t)
+    rounds_obj.sync()
+    return sites
+
+
 def diff_lines(a: dict, b: dict, label_a: str, label_b: str, top: int = 12) -> list:
     keys = set(a) | set(b)
     rows = sorted(((a.get(k, 0) - b.get(k, 0), k) for k in keys), key=lambda r: -abs(r[0]))
@@ -126,6 +177,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--trace-dir", default="", help="write each mode's Chrome trace here")
     ap.add_argument("--json", default="", help="also write the summaries here")
+    ap.add_argument("--no-sync-sites", action="store_true", help="skip the last round of each mode that traces "
+                    "every host wait to its line")
     args = ap.parse_args()
     unknown = [n for n in args.only.split(",") if n not in bench_gpu.WORKLOADS]
     if unknown:
@@ -137,7 +190,7 @@ def main():
         sys.exit("profile_round.py --device cuda needs a CUDA GPU (or --device cpu)")
     print(f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'CPU'}, torch {torch.__version__}; "
           f"{args.rounds} profiled round(s) per mode after {args.warmup} warm-up round(s)", flush=True)
-    args.rounds_total = args.warmup + args.rounds
+    args.rounds_total = args.warmup + args.rounds + (0 if args.no_sync_sites else 1)
     out = {}
     cols = ("host_ms", "device_ms", "aten_ops", "kernels", "syncs", "items", "h2d", "d2h", "malloc", "free", "warnings")
     print("\n| workload | mode | " + " | ".join(c.replace("_", " ") for c in cols) + " |")
@@ -167,6 +220,13 @@ def main():
             print(f"  {name} {m}: largest host self times (ms a round): {top}")
             for message, count in r["warning_messages"].items():
                 print(f"  {name} {m}: warned {count / args.rounds:.0f} times a round: {message}")
+        if not args.no_sync_sites:
+            for m in rounds_obj.order:
+                sites = sync_sites(rounds_obj, m, args.warmup + args.rounds, args.device)
+                res[m]["sync_sites"] = dict(sites.most_common())
+                print(f"  {name} {m}: host waits of one round by the line that caused them "
+                      f"({sum(sites.values())}{'' if args.device == 'cuda' else ' items: waits on a GPU'}): "
+                      + (", ".join(f"{site} x{n}" for site, n in sites.most_common(12)) or "none"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -18,8 +18,9 @@
 #        then benchmarks/bench_batched_families.py --device cuda (sequential vs batched, every family opted in)
 # profile: benchmarks/profile_round.py --device cuda: what a round of the plain loop, fedhpc sequential and
 #        batched launches and waits for (kernels, syncs, copies, cudaMalloc/Free a round; the operators and
-#        kernels seq runs beyond plain), Chrome traces under $OUT/traces: where the sequential path's
-#        1.5-2x of the plain loop on the H200 goes (issue 41 s.2)
+#        kernels seq runs beyond plain), Chrome traces under $OUT/traces, and each mode's host waits of
+#        one round by the line of code that caused them (set_sync_debug_mode): where the sequential
+#        path's 1.5-2x of the plain loop on the H200 goes (issue 41 s.2)
 # bench: benchmarks/bench_gpu.py (rounds/s, GPU utilisation; plain, sequential, batched, ranks sharing)
 # acceptance: the open acceptance points, most needed first, each cut to fit one call: env and the
 #        extension build; issue 42's (a') (test_algorithm_standard -k gpu: every algorithm's round on
