@@ -23,8 +23,10 @@ host functions with the largest self time in each mode. Last, ``sync sites``: on
 mode in which every host wait is traced to the line that caused it (the innermost frame of fedhpc's or
 the benchmark's code): on CUDA each synchronising operation torch reports under
 ``torch.cuda.set_sync_debug_mode("warn")`` (``item``, a blocking or pageable copy, ``nonzero``...); on
-the CPU, where nothing waits, each ``aten::_local_scalar_dense`` (an ``item``: a wait on a GPU), so that
-the report can be read (and checked) before a GPU is lent. With ``--trace-dir`` every mode's Chrome
+the CPU, where nothing waits, each ``aten::_local_scalar_dense`` (an ``item``), so that the report can be
+read (and checked) before a GPU is lent. The CPU cannot tell the items a GPU run makes on device tensors
+(waits: a client's loss, a norm) from those on host tensors (none: the round report the engine copies to
+the host in one go, whose copy is the one wait there and no item). With ``--trace-dir`` every mode's Chrome
 trace is written there (open in chrome://tracing or Perfetto). On ``--device cpu`` the counts of
 operators and host time are what it gives (no kernels): there, fedhpc's sequential round
 dispatches the plain loop's operators and a few per client.

@@ -303,16 +303,22 @@ class Engine(Evaluation, RunLog, Resume):
         world.heartbeat()  # on NCCL runs: a dead peer is reported by gloo, not by NCCL's watchdog
         self.upload_sum.align_(world)  # the int8 digit positions' maximum over ranks
         world.all_reduce_sum_(buf)  # the round's sum collective: uploads + metrics
+        # the round's metrics, losses, links and ledger on the host in one copy: on a GPU each
+        # float(buf[i]) would be a wait of its own (on the CPU this is buf itself)
+        report = buf[self.metric_offset:].cpu()
 
-        if buf[self._slot("failed")] > 0:
+        def reported(name: str) -> float:
+            return float(report[self.metric_slots.index(name)])
+
+        if reported("failed") > 0:
             world.raise_together(failure, f"training round {t + 1}")
-        if buf[self._slot("nonfinite")] > 0:
+        if reported("nonfinite") > 0:
             bad = sorted(c for part in world.all_gather_object(nonfinite) for c in part)
             raise NonFiniteLossError(
                 f"the training loss became NaN or infinite in round {t + 1} on client(s) {bad} "
                 f"(lr {rnd.lr:g}); lower --lr, add --grad-clip, or check the data. Nothing of this "
                 f"round was kept; the last checkpoint and metrics in --out are intact")
-        weight_total = float(buf[self._slot("weight")])
+        weight_total = reported("weight")
         summed = self.upload_sum.sum()
         totals = {name: buf[sl] if name in self._sum_grid else summed[sl] for name, (sl, _) in self.uploads.items()}
         s0 = time.perf_counter()
@@ -324,19 +330,21 @@ class Engine(Evaluation, RunLog, Resume):
         # model from it (client_model, adapt) when evaluating after this round
         algo.global_state = self.global_state
         algo.rounds_done = t + 1
-        ledger = algo.ledger.as_metrics(buf[self.ledger_offset:].double().cpu())
+        ledger = algo.ledger.as_metrics(report[self.ledger_offset - self.metric_offset:].double())
         self.cum_bytes["bytes_up_total"] += ledger["bytes_up"]
         self.cum_bytes["bytes_down_total"] += ledger["bytes_down"]
-        samples = float(buf[self._slot("samples")])
+        samples = reported("samples")
         metrics = {
             "round": t + 1,
-            "train_loss": math.fsum(buf[self.loss_offset:self.loss_offset + len(sampled)].tolist()) / max(samples, 1.0),
+            "train_loss": math.fsum(report[self.loss_offset - self.metric_offset:][:len(sampled)].tolist())
+            / max(samples, 1.0),
             "lr": rnd.lr,
             "clients": len(sampled),
             **ledger, **self.cum_bytes,
         }
         if self.links is not None:
-            metrics.update(self.links.round_metrics(self._link_rows(len(sampled)), server_s,
+            links = report[self.link_offset - self.metric_offset:][:len(sampled) * self.link_fields]
+            metrics.update(self.links.round_metrics(links.view(len(sampled), self.link_fields), server_s,
                                                     algo.server_trained_samples))
         metrics.update(algo.extra_metrics())
         # A round in which no upload arrived (every device a straggler) changes nothing: that
@@ -350,7 +358,7 @@ class Engine(Evaluation, RunLog, Resume):
         self.round_seconds_total += metrics["round_seconds"]
         # every round's time, also for rounds metrics.jsonl does not keep (eval_every > 1)
         metrics["round_seconds_total"] = self.round_seconds_total
-        if buf[self._slot("stop")] > 0:
+        if reported("stop") > 0:
             metrics["stop"] = True
         return metrics
 
