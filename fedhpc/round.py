@@ -90,7 +90,9 @@ class ClientContext:
         self.device = algo.device
         self.lr = rnd.lr
         self.ledger = algo.ledger
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=algo.device) if loss_sum is None else loss_sum
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=algo.device) if loss_sum is None else loss_sum
+        self._steps: List[torch.Tensor] = []  # recorded batch losses not yet added (see record)
+        self._step_samples: List[int] = []
         self.samples = 0
         self._loss_read: Optional[float] = None
         self.extra: Dict[str, Any] = {}
@@ -129,15 +131,41 @@ class ClientContext:
         return torch.randperm(self.data.num_train, generator=g)
 
     def record(self, loss: torch.Tensor, n: int) -> None:
-        """Add a mean batch loss over n samples to this client's training-loss sum."""
-        self.loss_sum.add_(loss.detach(), alpha=n)  # one kernel: no device sync per step
+        """Add a mean batch loss over n samples to this client's training-loss sum (``loss_sum``).
+
+        The step's loss is kept and added when the sum is read, on the host, in the order of the
+        steps: no operation a step (on a GPU a kernel launch each, which a hand-written loop does not
+        make), and the same float64 sum as adding ``n * loss`` step by step on the device (each
+        product is exact: a float32 loss times a batch size fits float64's 53 bits)."""
+        self._steps.append(loss.detach())
+        self._step_samples.append(n)
         self.samples += n
 
+    def _add_steps(self) -> Optional[float]:
+        """Add the recorded steps to the device sum; the new sum on the host (None: none recorded)."""
+        if not self._steps:
+            return None
+        values = torch.cat([self._loss_sum.view(1), torch.stack(self._steps).double().view(-1)]).tolist()
+        total = values[0]
+        for value, n in zip(values[1:], self._step_samples):
+            total += n * value
+        self._steps, self._step_samples = [], []
+        self._loss_sum.fill_(total)
+        return total
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        """The training-loss sum as a float64 scalar on the device, the recorded steps added (a device
+        sync when there are any); a method may add to it in place (Ditto's guard)."""
+        self._add_steps()
+        return self._loss_sum
+
     def loss_total(self) -> float:
-        """The training-loss sum on the host, once training is over: a device sync, unless a batched
+        """The training-loss sum on the host, once training is over: one device sync, unless a batched
         group read its clients' sums together (:meth:`settle_losses`)."""
         if self._loss_read is None:
-            self._loss_read = float(self.loss_sum)
+            total = self._add_steps()
+            self._loss_read = float(self._loss_sum) if total is None else total
         return self._loss_read
 
     @staticmethod

@@ -1,5 +1,6 @@
 """In-process checks of the round loop against independent computations."""
 
+import math
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from fedhpc.config import RunConfig
 from fedhpc.engine import Engine, assign_clients, sample_clients
 from fedhpc.errors import NonFiniteLossError
 from fedhpc.models import build_model
+from fedhpc.round import ClientContext, RoundInfo
 from fedhpc.world import World
 
 
@@ -199,6 +201,18 @@ def test_a_groups_clients_move_to_the_device_together():
     assert all(a.x is c.x for a, c in zip(on_cpu, clients))
 
 
+class CountOps(TorchDispatchMode):
+    """The names of the operators dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 class CountItems(TorchDispatchMode):
     """Counts the operators that copy a device scalar to the host (``item``, ``float(t)``): on a GPU
     each waits for everything queued before it."""
@@ -212,21 +226,56 @@ class CountItems(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_batched_group_reads_its_clients_losses_in_one_sync():
+def test_a_batched_group_reads_its_clients_losses_in_one_sync(monkeypatch):
     """The non-finite guard reads every client's training loss on the host: one read a client in the
-    sequential loop, one for a whole batched group; the round's other reads (its metrics) do not
-    grow with the clients, whose per-client sums (samples, weights, times) add up on the host."""
+    sequential loop (its recorded steps in one ``tolist``), one for a whole batched group; the round's
+    other reads (its metrics) do not grow with the clients, whose per-client sums (samples, weights,
+    times) add up on the host."""
+    tolists = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: tolists.append(1) or tolist(t))
+
     def reads(clients, at_once):
         eng = make_engine(num_clients=8, clients_per_round=clients, rounds=2, clients_at_once=at_once)
         eng.run_round(0)
+        tolists.clear()
         with CountItems() as count:
             eng.run_round(1)
-        return count.n
+        return count.n + len(tolists)
 
     assert reads(6, 6) == reads(2, 2)  # one group each
     assert reads(6, 1) - reads(2, 1) == 4  # one a client
-    # the group's clients are read by one tolist() (no operator on the CPU: a D2H copy on a GPU)
-    assert reads(6, 6) == reads(6, 1) - 6
+    assert reads(6, 6) == reads(6, 1) - 5  # the group's six clients in one read
+
+
+def test_recorded_steps_add_up_as_float64_steps_on_the_device():
+    """``record`` keeps each step's loss and adds them when the sum is read: the same float64 sum as
+    ``loss_sum.add_(loss, alpha=n)`` step by step (each n * loss exact), also with a method's own
+    in-place add in between (Ditto's guard) and a NaN step; no operator runs at a step."""
+    eng = make_engine(num_clients=4, clients_per_round=2, rounds=1)
+    rnd = RoundInfo(0, [0, 1], [0, 1], 0.1)
+    g = torch.Generator().manual_seed(0)
+    # losses from 1e-9 to 3e3: their float64 sum rounds, so its order shows in the last bits
+    losses = torch.exp(torch.rand(200, generator=g, dtype=torch.float64) * 29 - 21).float()
+    sizes = torch.randint(1, 64, (200,), generator=g).tolist()
+    want = torch.zeros((), dtype=torch.float64)
+    ctx = ClientContext(eng.algo, 0, eng.data.client(0), rnd)
+    for i, (loss, n) in enumerate(zip(losses, sizes)):
+        want.add_(loss, alpha=n)
+        step_loss = loss.clone().requires_grad_()
+        with CountOps() as ops:
+            ctx.record(step_loss, n)
+        assert ops.names <= {"detach"}, ops.names  # nothing added on the device at a step
+        if i == 99:  # a method reading and adding in between
+            ctx.loss_sum.add_(torch.tensor(0.0, dtype=torch.float64))
+            want.add_(torch.tensor(0.0, dtype=torch.float64))
+    assert ctx.loss_total() == float(want) and ctx.samples == sum(sizes)
+    assert float(ctx.loss_sum) == float(want)
+    bad = ClientContext(eng.algo, 1, eng.data.client(1), rnd)
+    bad.record(torch.tensor(1.0), 4)
+    bad.record(torch.tensor(float("nan")), 4)
+    bad.record(torch.tensor(1.0), 4)
+    assert math.isnan(bad.loss_total())
 
 
 def test_flat_model_round_trip_and_state_dict():
