@@ -41,8 +41,9 @@ class LabelOutputs:
     def add(self, logits: torch.Tensor, y: torch.Tensor) -> None:
         """Add this iteration's softmax outputs of a batch, by ground-truth label; for next-character
         prediction ((B, T, C) logits, (B, T) labels) every position is an output of its label."""
-        probs = F.softmax(logits.detach(), dim=-1).to(self.sums.dtype).reshape(-1, self.num_classes)
-        y = y.reshape(-1)
+        probs = F.softmax(logits.detach(), dim=-1).to(self.sums.dtype)
+        if probs.dim() > 2:  # (B, T, C): no reshape for classification, a step's host cost counts
+            probs, y = probs.reshape(-1, self.num_classes), y.reshape(-1)
         self.sums.index_add_(0, y, probs)
         self.counts.index_add_(0, y, torch.ones_like(y, dtype=self.sums.dtype))
 
@@ -137,9 +138,13 @@ def distillation_loss(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.T
     32 that had one made beta effectively 8 times larger). For next-character prediction every
     position is a sample: the mean is over positions, as the task loss's is."""
     per_sample = _psi(logits, teacher)
-    return (per_sample * mask.to(logits.dtype)).sum() / max(per_sample.numel(), 1)
+    if mask.dtype != logits.dtype:  # a no-op .to() is still a dispatch a step
+        mask = mask.to(logits.dtype)
+    return (per_sample * mask).sum() / max(per_sample.numel(), 1)
 
 
 def _psi(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """psi of Eq. 3 per sample: -sum_m G_m log F_m of each output against its teacher row."""
-    return -(teacher.to(logits.dtype) * F.log_softmax(logits, -1)).sum(-1)
+    if teacher.dtype != logits.dtype:
+        teacher = teacher.to(logits.dtype)
+    return -(teacher * F.log_softmax(logits, -1)).sum(-1)

@@ -78,11 +78,6 @@ def label_relative_change(previous: torch.Tensor, current: torch.Tensor) -> floa
     return float(ratio.max()) if ratio.numel() else 0.0
 
 
-def teacher_rows(table, mask, y):
-    """Each sample's teacher output G_out[label] and whether its label has one."""
-    return table[y], mask[y]
-
-
 def group_outputs(ctxs) -> label_outputs.GroupLabelOutputs:
     """Eq. 2's running sums of the devices of one batched group (``--clients-at-once``) as one
     stacked table, made at the group's first step and kept in the devices' contexts."""
@@ -130,8 +125,8 @@ class FD(Algorithm):
         loss = task_loss(logits, y)
         teacher = ctx.extra["teacher"]
         if teacher is not None and self.options.beta > 0:
-            rows, mask = teacher_rows(*teacher, y)
-            loss = loss + self.options.beta * label_outputs.distillation_loss(logits, rows, mask)
+            table, mask = teacher  # G_out and its labels, in the model's dtype (aggregate casts them)
+            loss = loss + self.options.beta * label_outputs.distillation_loss(logits, table[y], mask[y])
         return loss
 
     def batched_loss(self, group, x, y, weight):
