@@ -15,7 +15,9 @@
 #        hand-written loop beside fedhpc sequential and batched, ratios of one run, |w - w_plain|);
 #        PLAIN_REPEATS (default 2) alternations, PLAIN_ROUNDS (default 15) rounds each; then the same
 #        three modes --in-process (rounds interleaved in one process), with cnn_bn_do (BatchNorm + dropout);
-#        then benchmarks/bench_batched_families.py --device cuda (sequential vs batched, every family opted in)
+#        benchmarks/bench_device_training.py --device cuda (the main job's device training, FD and Mix2FLD,
+#        plain / seq / batched); then benchmarks/bench_batched_families.py --device cuda (sequential vs
+#        batched, every family opted in)
 # profile: benchmarks/profile_round.py --device cuda: what a round of the plain loop, fedhpc sequential and
 #        batched launches and waits for (kernels, syncs, copies, cudaMalloc/Free a round; the operators and
 #        kernels seq runs beyond plain), Chrome traces under $OUT/traces, and each mode's host waits of
@@ -25,7 +27,8 @@
 # acceptance: the open acceptance points, most needed first, each cut to fit one call: env and the
 #        extension build; issue 42's (a') (test_algorithm_standard -k gpu: every algorithm's round on
 #        CUDA against its CPU round); issue 41's table in one process (plain, seq, batched: cnn, cnn50,
-#        lenet5, 12 rounds); the batched families (6 rounds); the profile (2 rounds); the batched
+#        lenet5, 12 rounds); the main job's device training against a plain loop (8 rounds); the
+#        batched families (6 rounds); the profile (2 rounds); the batched
 #        equality tests on CUDA. Logs and JSON under $OUT as the other stages write them.
 # The machine's own python3 (with a CUDA torch) runs everything; nothing is installed.
 set -u
@@ -88,6 +91,9 @@ plain)
   timeout 300 $PY benchmarks/bench_gpu.py --in-process --only cnn,cnn50,cnn_bn_do,lenet5 --modes plain,seq,batched \
     --rounds "${PLAIN_ROUNDS:-15}" --warmup 3 --json "$OUT/bench_gpu_plain_inprocess.json" 2>&1 \
     | tee "$OUT/bench_gpu_plain_inprocess.txt"
+  step "bench_device_training (the main job's device training, FD and Mix2FLD, against a plain loop)"
+  timeout 120 $PY benchmarks/bench_device_training.py --device cuda --rounds 15 --warmup 3 \
+    --json "$OUT/bench_device_training.json" 2>&1 | grep -v '^note' | tee "$OUT/bench_device_training.txt"
   step "bench_batched_families (the families opted in with issue 41, the main job among them)"
   timeout 300 $PY benchmarks/bench_batched_families.py --device cuda --rounds 10 --warmup 3 \
     --json "$OUT/bench_batched_families.json" 2>&1 | grep -v '^note' | tee "$OUT/bench_batched_families.txt"
@@ -105,6 +111,9 @@ acceptance)
   step "issue 41: plain, seq, batched in one process"
   timeout 120 $PY benchmarks/bench_gpu.py --in-process --only cnn,cnn50,lenet5 --modes plain,seq,batched \
     --rounds 12 --warmup 3 --json "$OUT/bench_gpu_plain_inprocess.json" 2>&1 | tee "$OUT/bench_gpu_plain_inprocess.txt" | tail -12
+  step "issue 41: the main job's device training (FD, Mix2FLD) against a plain loop"
+  timeout 60 $PY benchmarks/bench_device_training.py --device cuda --rounds 8 --warmup 2 \
+    --json "$OUT/bench_device_training.json" 2>&1 | grep -v '^note' | tee "$OUT/bench_device_training.txt" | tail -4
   step "issue 41: the batched families"
   timeout 100 $PY benchmarks/bench_batched_families.py --device cuda --rounds 6 --warmup 2 \
     --json "$OUT/bench_batched_families.json" 2>&1 | grep -v '^note' | tee "$OUT/bench_batched_families.txt" | tail -12
