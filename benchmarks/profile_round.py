@@ -23,8 +23,8 @@ host functions with the largest self time in each mode. Last, ``sync sites``: on
 mode in which every host wait is traced to the line that caused it (the innermost frame of fedhpc's or
 the benchmark's code): on CUDA each synchronising operation torch reports under
 ``torch.cuda.set_sync_debug_mode("warn")`` (``item``, a blocking or pageable copy, ``nonzero``...); on
-the CPU, where nothing waits, each ``aten::_local_scalar_dense`` (an ``item``), so that the report can be
-read (and checked) before a GPU is lent. The CPU cannot tell the items a GPU run makes on device tensors
+the CPU, where nothing waits, each ``aten::_local_scalar_dense`` (an ``item``) and ``tolist``, so that the
+report can be read (and checked) before a GPU is lent. The CPU cannot tell the items a GPU run makes on device tensors
 (waits: a client's loss, a norm) from those on host tensors (none: the round report the engine copies to
 the host in one go, whose copy is the one wait there and no item). With ``--trace-dir`` every mode's Chrome
 trace is written there (open in chrome://tracing or Perfetto). On ``--device cpu`` the counts of
@@ -130,7 +130,7 @@ def _call_site(frames) -> str:
 def sync_sites(rounds_obj, mode: str, t: int, device: str) -> collections.Counter:
     """Round ``t`` of ``mode`` with every host wait counted by the line that caused it (see the module's
     docstring): on CUDA the synchronising operations ``set_sync_debug_mode("warn")`` reports, on the CPU
-    each ``_local_scalar_dense`` (an ``item``)."""
+    each ``_local_scalar_dense`` (an ``item``) and ``tolist``."""
     import traceback
 
     sites = collections.Counter()
@@ -157,8 +157,18 @@ def sync_sites(rounds_obj, mode: str, t: int, device: str) -> collections.Counte
                     sites[_call_site(traceback.extract_stack()[:-1])] += 1
                 return func(*args, **(kwargs or {}))
 
-        with Items():
-            rounds_obj.run(mode, t)
+        tolist = torch.Tensor.tolist
+
+        def counted_tolist(tensor):  # a copy to the host too (no operator on the CPU)
+            sites[_call_site(traceback.extract_stack()[:-1])] += 1
+            return tolist(tensor)
+
+        torch.Tensor.tolist = counted_tolist
+        try:
+            with Items():
+                rounds_obj.run(mode, t)
+        finally:
+            torch.Tensor.tolist = tolist
     rounds_obj.sync()
     return sites
 
@@ -227,7 +237,7 @@ def main():
                 sites = sync_sites(rounds_obj, m, args.warmup + args.rounds, args.device)
                 res[m]["sync_sites"] = dict(sites.most_common())
                 print(f"  {name} {m}: host waits of one round by the line that caused them "
-                      f"({sum(sites.values())}{'' if args.device == 'cuda' else ' items: waits on a GPU'}): "
+                      f"({sum(sites.values())}{'' if args.device == 'cuda' else ' items and tolists: waits on a GPU if of device tensors'}): "
                       + (", ".join(f"{site} x{n}" for site, n in sites.most_common(12)) or "none"))
     if args.json:
         with open(args.json, "w") as f:
