@@ -144,15 +144,14 @@ class PerFedAvg(PersonalAlgorithm):
         loss_sums = torch.zeros(n, dtype=torch.float64, device=device)
         weights = stacked.theta[:, :p]  # (K, num_params): the clients' w, stepped in place
 
-        def pass_on(eb, batches, forward, active, j, m):
+        def pass_on(eb, batches, forward, active, taking, j, m):
             """The clients' losses (K,) on batch j of their meta-step m's group (``batches``: how many
-            each client has this epoch), and its real rows; a client sitting out reads its batch 0 at
-            weight 0 (its step is masked out too)."""
+            each client has this epoch), and its real rows; a client sitting out (``taking`` False, the
+            device copy of ``active``) reads its batch 0 at weight 0 (its step is masked out too)."""
             index = [(m * k + j) % b if on else 0 for on, b in zip(active, batches)]
             rows = [eb.real[i][b] if active[i] else 0 for i, b in enumerate(index)]
             at = host_to_device(torch.tensor(index), device)  # host lists go over without a wait on the GPU
             x, y = eb.x[clients, at], eb.y[clients, at]
-            taking = host_to_device(torch.tensor(active, dtype=eb.weight.dtype), device)
             weight = eb.weight[clients, at] * taking[:, None]
 
             def forward_rows(inputs, real=None):  # this batch's real rows unless a call names its own
@@ -169,11 +168,12 @@ class PerFedAvg(PersonalAlgorithm):
             batches = [sum(1 for rows in real if rows > 0) for real in eb.real]
             for m in range(max(-(-b // k) for b in batches)):
                 active = [m * k < b for b in batches]
+                taking = host_to_device(torch.tensor(active), device)  # one copy a meta-step, read by every pass
                 w = weights.detach().clone()
-                stacked.gradient(pass_on(eb, batches, forward, active, 0, m)[0])
+                stacked.gradient(pass_on(eb, batches, forward, active, taking, 0, m)[0])
                 with torch.no_grad():
                     weights.sub_(stacked.grad[:, :p], alpha=o.alpha)              # w' = w - alpha grad f(w; D1)
-                loss, real = pass_on(eb, batches, forward, active, 1, m)
+                loss, real = pass_on(eb, batches, forward, active, taking, 1, m)
                 columns = stacked.gradient(loss)                                # grad f(w'; D2)
                 with torch.no_grad():
                     weights.copy_(w)                                            # restore w
@@ -183,18 +183,18 @@ class PerFedAvg(PersonalAlgorithm):
                     rewind = list(rng) if rng is not None else None
                     with torch.no_grad():
                         weights.sub_(g, alpha=-o.delta)                         # w + d g
-                    stacked.gradient(pass_on(eb, batches, forward, active, 2, m)[0])
+                    stacked.gradient(pass_on(eb, batches, forward, active, taking, 2, m)[0])
                     gp = stacked.grad[:, :p].clone()
                     if rewind is not None:
                         rng[:] = rewind  # the same dropout masks for the second pass
                     with torch.no_grad():
                         weights.copy_(w).sub_(g, alpha=o.delta)                 # w - d g
-                    stacked.gradient(pass_on(eb, batches, forward, active, 2, m)[0])
+                    stacked.gradient(pass_on(eb, batches, forward, active, taking, 2, m)[0])
                     with torch.no_grad():
                         weights.copy_(w)
                         gm = stacked.grad[:, :p]
                         stacked.grad[:, :p] = g - o.alpha * (gp - gm) / (2 * o.delta)
-                stacked.apply(columns, None if all(active) else host_to_device(torch.tensor(active), device))
+                stacked.apply(columns, None if all(active) else taking)
                 counts = host_to_device(torch.tensor(real, dtype=torch.float64), device)
                 loss_sums.add_(loss.detach().double() * counts)
                 for ctx, rows in zip(ctxs, real):
