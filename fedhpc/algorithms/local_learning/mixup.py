@@ -28,7 +28,7 @@ from ...errors import ConfigError
 from .. import register_algorithm
 from ..base import derive_seed, task_loss
 from .local_reg import LocalRegAlgorithm, LocalRegOptions
-from ..mafl.mixing import MixSpace, batched_mixup_loss, mixup_loss
+from ..mafl.mixing import MixSpace, batched_mixup_loss, mixup_loss, permuted_rows
 
 
 @dataclass
@@ -89,8 +89,6 @@ class Mixup(LocalRegAlgorithm):
             lam[i] = 1.0 - float(ctx.extra["beta_rng"].beta(gamma, gamma))
             n = group.real[i]
             perm[i, :n] = torch.randperm(n, generator=ctx.extra["perm_gen"])
-        perm = host_to_device(perm, x.device)
         yin = self.space.labels(y, x.dtype)
-        x2 = torch.gather(x, 1, perm.view((k, b) + (1,) * (x.dim() - 2)).expand_as(x))
-        y2 = torch.gather(yin, 1, perm.unsqueeze(-1).expand_as(yin))
+        x2, y2 = permuted_rows(x, yin, perm)
         return batched_mixup_loss(group.forward, x, yin, x2, y2, host_to_device(lam, x.device), weight)

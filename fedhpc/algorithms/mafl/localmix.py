@@ -28,7 +28,7 @@ from ...errors import ConfigError
 from .. import register_algorithm
 from ..base import Algorithm, derive_seed
 from ..fedprox import add_proximal_term
-from .mixing import MixSpace, batched_mixup_loss, mixup_loss
+from .mixing import MixSpace, batched_mixup_loss, mixup_loss, permuted_rows
 
 
 @dataclass
@@ -92,10 +92,8 @@ class LocalMix(Algorithm):
             n = group.real[i]
             perm[i, :n] = torch.randperm(n, generator=gen)
             lam[i] = draw_lambda(ctx, self.options)
-        perm = host_to_device(perm, x.device)
         yin = self.space.labels(y, x.dtype)
-        x2 = torch.gather(x, 1, perm.view((k, b) + (1,) * (x.dim() - 2)).expand_as(x))
-        y2 = torch.gather(yin, 1, perm.unsqueeze(-1).expand_as(yin))
+        x2, y2 = permuted_rows(x, yin, perm)
         lam = host_to_device(lam, x.device)
         if self.options.mix_alpha <= 0:
             lam = self.options.lam  # a float, exactly as loss uses it

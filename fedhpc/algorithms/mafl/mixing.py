@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...data.base import host_to_device
 from ...errors import ConfigError
 from ...models.double_backward import double_backward_safe
 from ..base import soft_loss
@@ -118,6 +119,17 @@ def _per_client(lam, like: torch.Tensor):
 def _weighted_soft_ce(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """sum_i weight_i * CE(logp_i, target_i) per client (K,): the batch mean over real rows."""
     return (-(target * logp).sum(-1) * weight).sum(1)
+
+
+def permuted_rows(x: torch.Tensor, y: torch.Tensor, perm: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each client's rows and soft labels in its own order: the batched ``x[perm], y[perm]`` of
+    LocalMix and Mixup. ``perm`` (K, B) is built on the host (client k's draw over its real rows,
+    padded rows mapped to themselves) and sent to the device in one copy."""
+    k, b = perm.shape
+    perm = host_to_device(perm, x.device)
+    x2 = torch.gather(x, 1, perm.view((k, b) + (1,) * (x.dim() - 2)).expand_as(x))
+    y2 = torch.gather(y, 1, perm.unsqueeze(-1).expand_as(y))
+    return x2, y2
 
 
 def batched_mixup_loss(forward, x1, y1, x2, y2, lam, weight) -> torch.Tensor:
